@@ -1,0 +1,81 @@
+"""Reference paged attention in plain torch: runs on any device, reads K/V straight from the pool.
+
+Every faster backend is tested against this function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..metadata import StepMetadata
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StepMetadata,
+    *,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of a step's queries over each row's cached tokens.
+
+    Query column ``c`` of row ``b`` is token ``q_index[b, c]`` of its row; it attends to tokens
+    ``t <= q_index`` (and ``t > q_index - sliding_window`` with a window). Padding columns attend to one key
+    and their output is meaningless.
+
+    Args:
+        query: [B, H, q_len, D], after RoPE.
+        k_cache, v_cache: [num_slots, H_kv, D], one layer of the pool; H must be a multiple of H_kv (GQA/MQA).
+        meta: the step's metadata (slots, lengths).
+        scaling: multiplier of ``q @ k``; default ``D ** -0.5``.
+        sliding_window: window in tokens, as transformers passes it (a key is visible while
+            ``q_index - t < sliding_window``), or None.
+        softcap: Gemma2 logit soft-capping ``softcap * tanh(s / softcap)``, or None.
+
+    Returns:
+        [B, q_len, H, D], contiguous, in the query's dtype.
+    """
+    B, H, q, D = query.shape
+    H_kv = k_cache.shape[1]
+    groups = H // H_kv
+    view = meta.on(query.device)
+    T = meta.max_len
+    keys = k_cache.index_select(0, view.kv_slots).view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
+    values = v_cache.index_select(0, view.kv_slots).view(B, T, H_kv, D).transpose(1, 2)
+    if scaling is None:
+        scaling = D**-0.5
+    if softcap is not None:
+        mask, _ = view.mask(sliding_window, need_explicit=True)
+        return _softcapped(query, keys, values, mask, scaling, softcap, groups)
+    mask, is_causal = view.mask(sliding_window)
+    if groups > 1 and mask is None:
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=is_causal, scale=scaling, enable_gqa=True)
+    elif groups > 1 and q == 1:
+        # One query token: fold the query heads of a KV group into the query axis, so K/V are read once per group.
+        packed = query.reshape(B, H_kv, groups, D)
+        out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
+        out = out.reshape(B, H, 1, D)
+    else:
+        keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _softcapped(query, keys, values, mask, scaling, softcap, groups):
+    keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).contiguous()
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return x
+    B, H_kv, T, D = x.shape
+    return x[:, :, None].expand(B, H_kv, groups, T, D).reshape(B, H_kv * groups, T, D)

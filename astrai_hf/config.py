@@ -1,0 +1,102 @@
+"""Geometry of a model's KV cache and the validated settings of a page pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """What one token's K/V looks like in every layer.
+
+    Attributes:
+        num_layers: decoder layers that keep a KV cache.
+        num_kv_heads: key/value heads per layer (fewer than query heads under GQA/MQA).
+        head_dim: channels per head.
+        model_type: ``config.model_type``, for error messages and fingerprints.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> "KVSpec":
+        """Read the KV geometry from a transformers ``PretrainedConfig`` (the text decoder's, for composite models).
+
+        Raises:
+            ValueError: the config lacks the layer or head counts.
+        """
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        num_layers = getattr(text, "num_hidden_layers", None)
+        num_heads = getattr(text, "num_attention_heads", None)
+        if not num_layers or not num_heads:
+            raise ValueError(
+                f"cannot read num_hidden_layers / num_attention_heads from {type(config).__name__}; "
+                "a decoder-only language model config is expected"
+            )
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        return cls(int(num_layers), int(num_kv_heads), int(head_dim), getattr(text, "model_type", "") or "")
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K plus V for one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class PagePoolConfig:
+    """Settings of a :class:`~astrai_hf.PagePool`, checked on construction.
+
+    Attributes:
+        spec: KV geometry of the model the pool serves.
+        page_size: token slots per page.
+        num_pages: pages in the pool, including the reserved trash page 0.
+        max_seq_len: longest sequence (prompt plus generated tokens, padding excluded) one row can hold.
+        max_reqs: rows of the ``req_to_token`` table, i.e. sequences alive at once across all caches.
+        dtype: K/V dtype.
+        layer_devices: device of each layer's K/V storage (several under ``device_map``).
+    """
+
+    spec: KVSpec
+    page_size: int
+    num_pages: int
+    max_seq_len: int
+    max_reqs: int
+    dtype: torch.dtype
+    layer_devices: tuple[torch.device, ...]
+
+    def __post_init__(self):
+        for name in ("page_size", "num_pages", "max_seq_len", "max_reqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (one reserved trash page plus one usable), got {self.num_pages}")
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        if self.max_reqs < 1:
+            raise ValueError(f"max_reqs must be >= 1, got {self.max_reqs}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if len(self.layer_devices) != self.spec.num_layers:
+            raise ValueError(
+                f"layer_devices has {len(self.layer_devices)} entries, expected one per layer ({self.spec.num_layers})"
+            )
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.page_size * self.spec.bytes_per_token(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,24 @@
+"""Errors raised by astrai-hf."""
+
+from __future__ import annotations
+
+
+class CacheFullError(RuntimeError):
+    """The page pool cannot hold what a step needs.
+
+    Raised before anything of the failing step is allocated. The cache that raised it has already returned all of
+    its pages to the pool, so the pool is usable again at once.
+
+    Attributes:
+        needed: pages (or request rows, see ``unit``) the step needed.
+        free: pages (or rows) free in the pool when the step was planned.
+        evictable: pages that could have been evicted to make room.
+        unit: ``"pages"`` or ``"request rows"``.
+    """
+
+    def __init__(self, needed: int, free: int, evictable: int = 0, *, unit: str = "pages", detail: str = ""):
+        self.needed, self.free, self.evictable, self.unit = needed, free, evictable, unit
+        msg = f"KV page pool is full: needed {needed} {unit}, {free} free, {evictable} evictable"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)

@@ -1,0 +1,136 @@
+"""StepMetadata: what one forward step of a PagedCache hands to storage writes and to paged attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class StepMetadata:
+    """The plan of one forward step over a batch of rows, built on the host before any layer runs.
+
+    Conventions: the input is a left-padded rectangle of ``q_len`` columns; in row ``r`` the last ``num_new[r]``
+    columns are real tokens, the others padding. Token indices count real tokens only (padding is never stored).
+
+    Attributes:
+        q_len: query columns of this step.
+        prev_lens: [B] host ints, tokens stored per row before this step.
+        seq_lens: [B] host ints, tokens stored per row after this step.
+        logical_len: rectangle width after this step (``generate()``'s view of the cache length, padding included).
+        paged: True when attention reads the pool (patched model); False when ``update()`` must hand stock
+            attention rectangular K/V.
+        table: the pool's ``req_to_token`` table, [max_reqs, max_seq_len] int32.
+        req_rows: [B] int64 on the table's device, the table row of each batch row.
+        slot_mapping: [N] int64 on the table's device, destination slot of each real new token.
+        write_src: [N] int64, index of each real new token in the flattened ``[B * q_len]`` input, or None when
+            every column is real.
+    """
+
+    q_len: int
+    prev_lens: list[int]
+    seq_lens: list[int]
+    logical_len: int
+    paged: bool
+    table: torch.Tensor
+    req_rows: torch.Tensor
+    slot_mapping: torch.Tensor
+    write_src: torch.Tensor | None
+    _views: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_len(self) -> int:
+        """Longest row after this step, in tokens (at least 1)."""
+        return max(max(self.seq_lens), 1)
+
+    def on(self, device: torch.device) -> "DeviceView":
+        """The step's index tensors on ``device`` (built once per device and step)."""
+        view = self._views.get(device)
+        if view is None:
+            view = self._views[device] = DeviceView(self, device)
+        return view
+
+
+class DeviceView:
+    """Per-device index tensors of a step, built lazily so a single-device model builds each once per step."""
+
+    def __init__(self, meta: StepMetadata, device: torch.device):
+        self.meta, self.device = meta, device
+        self.slot_mapping = meta.slot_mapping.to(device, non_blocking=True)
+        self.write_src = None if meta.write_src is None else meta.write_src.to(device, non_blocking=True)
+        self._kv_slots = None
+        self._rect_slots = None
+        self._q_index = None
+        self._masks: dict = {}
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """[B * T] int64: slot of token t of row b at ``b * T + t`` with T = ``meta.max_len``; trash past a row's end."""
+        if self._kv_slots is None:
+            m = self.meta
+            self._kv_slots = m.table[m.req_rows, : m.max_len].to(self.device, torch.long).reshape(-1)
+        return self._kv_slots
+
+    @property
+    def rect_slots(self) -> torch.Tensor:
+        """[B * W] int64 with W = ``meta.logical_len``: the rectangle stock attention expects, each row's tokens
+        right-aligned behind its padding columns, which read the (zero) trash slot."""
+        if self._rect_slots is None:
+            m = self.meta
+            width = m.logical_len
+            seq = torch.tensor(m.seq_lens, dtype=torch.long, device=m.table.device)
+            col = torch.arange(width, device=m.table.device)[None, :] - (width - seq)[:, None]  # [B, W] token index
+            rows = m.table[m.req_rows]  # [B, max_seq_len]
+            slots = rows.gather(1, col.clamp(min=0)).masked_fill(col < 0, 0)
+            self._rect_slots = slots.to(self.device, torch.long).reshape(-1)
+        return self._rect_slots
+
+    @property
+    def q_index(self) -> torch.Tensor:
+        """[B, q_len] int64: token index of each query column, -1 for padding columns."""
+        if self._q_index is None:
+            m = self.meta
+            q = m.q_len
+            prev = torch.tensor(m.prev_lens, dtype=torch.long)
+            new = torch.tensor([s - p for s, p in zip(m.seq_lens, m.prev_lens)], dtype=torch.long)
+            col = torch.arange(q)[None, :]
+            first = (q - new)[:, None]
+            self._q_index = torch.where(col >= first, prev[:, None] + col - first, -1).to(self.device)
+        return self._q_index
+
+    def mask(self, sliding_window: int | None, *, need_explicit: bool = False):
+        """Attention mask for paged attention over ``[B, T]`` gathered keys.
+
+        Returns:
+            ``(mask, is_causal)``: mask is None or [B, 1, q_len, T] bool (True = attend). ``is_causal`` is True only
+            when mask is None and a plain top-left causal mask is exact (no cached prefix, no padding). With
+            ``need_explicit`` the mask is always materialised.
+        """
+        key = (sliding_window, need_explicit)
+        if key in self._masks:
+            return self._masks[key]
+        m = self.meta
+        T, q = m.max_len, m.q_len
+        uniform = all(s == T for s in m.seq_lens) and all(p == T - q for p in m.prev_lens)
+        no_window = sliding_window is None or T <= sliding_window
+        result = None
+        if uniform and no_window and not need_explicit:
+            if q == 1:
+                result = (None, False)
+            elif T == q:
+                result = (None, True)
+        if result is None:
+            qi = self.q_index[:, :, None]  # [B, q, 1]
+            t = torch.arange(T, device=self.device)[None, None, :]
+            allowed = t <= qi
+            if sliding_window is not None:
+                allowed &= t > qi - sliding_window
+            allowed[..., 0] |= qi[..., 0] < 0  # padding queries attend to one key; their output is never used
+            result = (allowed[:, None], False)
+        self._masks[key] = result
+        return result

@@ -1,0 +1,223 @@
+"""patch(model) / unpatch(model): route a model's generate() through a PagePool with paged attention."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from . import attention
+from .cache import PagedCache, left_padding
+from .metadata import StepMetadata
+from .pool import PagePool, attention_modules
+
+_STATE_ATTR = "_astrai_patch_state"
+
+
+@dataclass(eq=False)
+class PatchState:
+    """What a patched model carries: its default pool, the step being run, and what to restore on unpatch."""
+
+    pool: PagePool
+    cache_kwarg: str
+    attn_configs: list
+    saved_attrs: dict = field(default_factory=dict)
+    family_undo: list = field(default_factory=list)
+    step: StepMetadata | None = None
+    step_pool: PagePool | None = None
+    checked_pools: set = field(default_factory=set)
+
+
+def patch(model: torch.nn.Module, pool: PagePool | None = None, **pool_kwargs) -> torch.nn.Module:
+    """Route ``model.generate()`` and forwards with a :class:`PagedCache` through paged attention over a pool.
+
+    After the call ``model.generate(...)`` without a cache argument uses a fresh ``PagedCache`` on
+    ``get_pool(model)`` and returns its pages when it finishes. Forwards with any other cache (or none) run the
+    model's own attention, unchanged. Patching a patched model only swaps its pool (when one is given).
+
+    Args:
+        model: a transformers causal LM whose attention goes through ``AttentionInterface``.
+        pool: the pool to use; default ``PagePool.from_model(model, **pool_kwargs)``.
+        **pool_kwargs: sizing for the default pool (``max_tokens``, ``page_size``, ...).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        NotImplementedError: the architecture's attention bypasses ``AttentionInterface`` (e.g. Falcon) or has
+            no attention modules with a ``layer_idx``.
+        ValueError / TypeError: ``pool`` does not fit the model.
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        if pool is not None:
+            pool.check_model(model)
+            state.pool = pool
+        return model
+    modules = attention_modules(model)
+    if not modules:
+        raise NotImplementedError(
+            f"{type(model).__name__}: found no self-attention modules with a layer_idx; astrai-hf cannot patch it"
+        )
+    for cls in {type(m) for m in modules}:
+        if not _uses_attention_interface(cls):
+            raise NotImplementedError(
+                f"{cls.__name__} computes attention without transformers' AttentionInterface, so paged attention "
+                f"cannot be routed into {type(model).__name__}; use PagedCache without patch() instead"
+            )
+    if pool is None:
+        pool = PagePool.from_model(model, **pool_kwargs)
+    elif pool_kwargs:
+        raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
+    pool.check_model(model)
+    attention.register()
+
+    configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
+    if not configs:
+        configs = [model.config]
+    params = inspect.signature(model.forward).parameters
+    state = PatchState(pool=pool, cache_kwarg="cache" if "cache" in params else "past_key_values", attn_configs=configs)
+    state.checked_pools.add(id(pool))
+    for name in ("forward", "generate"):
+        if name in model.__dict__:
+            state.saved_attrs[name] = model.__dict__[name]
+    from . import patches  # per-family attention-forward patches, shipped as astrai_hf.patches
+
+    state.family_undo = patches.apply(model, modules)
+    for m in modules:
+        setattr(m, _STATE_ATTR, state)
+    model.forward = _wrap_forward(model, model.forward, state)
+    model.generate = _wrap_generate(model, model.generate, state)
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: the model behaves exactly as before it was patched. A no-op on an unpatched model."""
+    state = model.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return model
+    for name in ("forward", "generate"):
+        if name in state.saved_attrs:
+            setattr(model, name, state.saved_attrs[name])
+        else:
+            model.__dict__.pop(name, None)
+    for m in model.modules():
+        m.__dict__.pop(_STATE_ATTR, None)
+    for undo in reversed(state.family_undo):
+        undo()
+    return model
+
+
+def get_pool(model: torch.nn.Module) -> PagePool:
+    """The pool a patched model's ``generate()`` uses.
+
+    Raises:
+        ValueError: the model is not patched.
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
+    return state.pool
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def _uses_attention_interface(cls: type) -> bool:
+    module = sys.modules.get(cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
+
+
+def _find_cache(kwargs: dict):
+    for name in ("cache", "past_key_values"):
+        value = kwargs.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _wrap_forward(model, forward, state: PatchState):
+    # functools.wraps keeps the signature visible: generate() inspects it to decide whether to build
+    # position_ids and logits_to_keep.
+    @functools.wraps(forward)
+    def paged_forward(*args, **kwargs):
+        cache = _find_cache(kwargs)
+        if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False:
+            return forward(*args, **kwargs)
+        if id(cache.pool) not in state.checked_pools:
+            cache.pool.check_model(model)
+            state.checked_pools.add(id(cache.pool))
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        B, q = inputs.shape[:2]
+        step = cache.plan_step(
+            B, q, position_ids=kwargs.get("position_ids"), attention_mask=kwargs.get("attention_mask"), paged=True
+        )
+        cache._pending_q = q  # the model may ask get_seq_length() before any layer stores this step
+        previous = [c._attn_implementation_internal for c in state.attn_configs]
+        state.step, state.step_pool = step, cache.pool
+        for c in state.attn_configs:
+            c._attn_implementation_internal = attention.ATTENTION_NAME
+        try:
+            return forward(*args, **kwargs)
+        except BaseException:
+            cache.crop(-q)  # roll the failed step back so the cache stays consistent
+            raise
+        finally:
+            for c, name in zip(state.attn_configs, previous):
+                c._attn_implementation_internal = name
+            state.step = state.step_pool = None
+            cache._pending_q = 0
+
+    return paged_forward
+
+
+def _wrap_generate(model, generate, state: PatchState):
+    @functools.wraps(generate)
+    def paged_generate(*args, **kwargs):
+        config = kwargs.get("generation_config") or model.generation_config
+        if (
+            _find_cache(kwargs) is not None
+            or kwargs.get("use_cache", config.use_cache) is False
+            or kwargs.get("cache_implementation", config.cache_implementation) is not None
+        ):
+            return generate(*args, **kwargs)
+        input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        attention_mask = kwargs.get("attention_mask")
+        pool = state.pool
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            _check_length(input_ids, attention_mask, kwargs, config, pool)
+        else:
+            input_ids = None
+        cache = PagedCache(pool, input_ids, attention_mask)
+        try:
+            return generate(*args, **{**kwargs, state.cache_kwarg: cache})
+        finally:
+            cache.release()
+
+    return paged_generate
+
+
+def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> None:
+    pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
+    prompt_len = input_ids.shape[1] - min(pads)
+    max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if max_new is not None:
+        total = prompt_len + max_new
+    else:
+        total = kwargs.get("max_length", config.max_length) - min(pads)
+    if total > pool.max_seq_len:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "
+            f"max_seq_len={pool.max_seq_len}; build a larger PagePool or lower max_new_tokens"
+        )

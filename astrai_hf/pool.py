@@ -1,0 +1,253 @@
+"""PagePool: the KV memory that caches borrow pages from, shared across ``generate()`` calls."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .allocator import PageAllocator
+from .config import KVSpec, PagePoolConfig
+from .req_to_token import ReqToTokenPool
+from .storage import TRASH_PAGE, KVStorage
+
+DEFAULT_MAX_TOKENS = 32_768
+DEFAULT_MAX_REQS = 128
+
+
+class PagePool:
+    """A paged KV pool: per-layer K/V storage, a ref-counted page allocator and a ``req_to_token`` table.
+
+    Layout and vocabulary follow vLLM's PagedAttention (Kwon et al., SOSP 2023) and SGLang's memory pools: a token
+    lives in a *slot* ``page_id * page_size + offset``; a request row maps its token index to slots.
+
+    Args:
+        config: the model's ``PretrainedConfig`` (the text decoder's geometry is read from it).
+        max_tokens: token capacity; the pool gets ``max_tokens // page_size`` usable pages.
+        memory_fraction: alternatively, size the pool to this fraction (0, 1] of the memory free on each device
+            it spans (GPU: ``torch.cuda.mem_get_info``; CPU: available RAM). Exclusive with ``max_tokens``.
+            With neither, ``max_tokens`` defaults to 32768.
+        page_size: token slots per page (>= 1).
+        max_seq_len: longest row in tokens (padding excluded); defaults to the model's
+            ``max_position_embeddings``, capped by the pool's capacity.
+        max_reqs: sequences alive at once across all caches on this pool (default 128).
+        device: one device for every layer, or a sequence with one device per layer. Defaults to CPU.
+        dtype: K/V dtype; defaults to the config's dtype, else float32.
+
+    Raises:
+        ValueError: a size is out of range or names what cannot be; ``TypeError``: a value of the wrong type.
+    """
+
+    def __init__(
+        self,
+        config,
+        *,
+        max_tokens: int | None = None,
+        memory_fraction: float | None = None,
+        page_size: int = 16,
+        max_seq_len: int | None = None,
+        max_reqs: int | None = None,
+        device: str | torch.device | Sequence[str | torch.device] | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        spec = KVSpec.from_config(config)
+        if isinstance(page_size, bool) or not isinstance(page_size, int):
+            raise TypeError(f"page_size must be an int, got {page_size!r}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        dtype = _resolve_dtype(config) if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        layer_devices = _resolve_devices(device, spec.num_layers)
+        num_usable = _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction)
+        capacity = num_usable * page_size
+        if max_seq_len is None:
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            max_seq_len = min(getattr(text, "max_position_embeddings", None) or capacity, capacity)
+        if max_reqs is None:
+            max_reqs = DEFAULT_MAX_REQS
+        self.config = PagePoolConfig(
+            spec=spec,
+            page_size=page_size,
+            num_pages=num_usable + 1,
+            max_seq_len=max_seq_len,
+            max_reqs=max_reqs,
+            dtype=dtype,
+            layer_devices=layer_devices,
+        )
+        self.allocator = PageAllocator(self.config.num_pages, first_page=TRASH_PAGE + 1)
+        self.storage = KVStorage(self.config)
+        self.req_to_token = ReqToTokenPool(max_reqs, max_seq_len, layer_devices[0])
+        self._counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "evictions": 0}
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, **kwargs) -> "PagePool":
+        """Build a pool for ``model``: geometry from its config, dtype and per-layer devices from its attention
+        modules (so a model split with ``device_map`` keeps each layer's K/V beside the layer).
+
+        Args:
+            model: a transformers causal LM.
+            **kwargs: as for :class:`PagePool` (``device`` and ``dtype`` override what is read from the model).
+        """
+        layers = attention_modules(model)
+        if "device" not in kwargs and layers:
+            kwargs["device"] = [_module_device(m) for m in layers]
+        if "dtype" not in kwargs and layers:
+            kwargs["dtype"] = _module_dtype(layers[0])
+        return cls(model.config, **kwargs)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.spec.num_layers
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Check that ``model`` can store its K/V here.
+
+        Raises:
+            ValueError: layer count, KV heads, head_dim or a layer's device differ.
+            TypeError: the model computes K/V in another dtype.
+        """
+        spec, mine = KVSpec.from_config(model.config), self.config.spec
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(spec, name) != getattr(mine, name):
+                raise ValueError(
+                    f"this PagePool was built for a model with {name}={getattr(mine, name)}, "
+                    f"but {type(model).__name__} has {name}={getattr(spec, name)}; build the pool with "
+                    "PagePool.from_model(model)"
+                )
+        for module in attention_modules(model):
+            idx = module.layer_idx
+            dev, dt = _module_device(module), _module_dtype(module)
+            if dt != self.dtype:
+                raise TypeError(f"the model computes K/V in {dt}, but this PagePool stores {self.dtype}")
+            if dev != self.config.layer_devices[idx]:
+                raise ValueError(
+                    f"layer {idx} of the model is on {dev}, but this PagePool keeps its K/V on "
+                    f"{self.config.layer_devices[idx]}"
+                )
+
+    # ------------------------------------------------------------------ statistics
+    def stats(self) -> dict[str, int]:
+        """Counters of the pool.
+
+        Returns:
+            ``num_pages`` (usable pages), ``num_free_pages``, ``num_used_pages``, ``num_cached_pages`` (pages kept
+            only by the prefix cache), ``prefix_query_tokens``, ``prefix_hit_tokens``, ``evictions``,
+            ``kv_bytes_used`` (bytes of the used pages, K and V, all layers), ``kv_bytes_total``, ``page_size``,
+            ``num_reqs_used``, ``max_reqs``.
+        """
+        used = self.allocator.num_used
+        return {
+            "num_pages": self.allocator.num_usable,
+            "num_free_pages": self.allocator.num_free,
+            "num_used_pages": used,
+            "num_cached_pages": 0,
+            **self._counters,
+            "kv_bytes_used": used * self.config.bytes_per_page,
+            "kv_bytes_total": self.allocator.num_usable * self.config.bytes_per_page,
+            "page_size": self.page_size,
+            "num_reqs_used": self.config.max_reqs - self.req_to_token.num_free,
+            "max_reqs": self.config.max_reqs,
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"PagePool({self.config.spec.model_type or 'model'}: {s['num_pages']} pages x {self.page_size} tokens, "
+            f"{s['num_used_pages']} used, {self.dtype}, max_seq_len={self.max_seq_len}, max_reqs={self.config.max_reqs})"
+        )
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules of ``model`` that own a KV cache layer, ordered by ``layer_idx``."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        name = type(module).__name__
+        if isinstance(idx, int) and "Attention" in name and "Cross" not in name and idx not in found:
+            found[idx] = module
+    return [found[i] for i in sorted(found)]
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _module_dtype(module: torch.nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return torch.float32
+
+
+def _resolve_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str) and hasattr(torch, dtype):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def _resolve_devices(device, num_layers: int) -> tuple[torch.device, ...]:
+    if device is None:
+        return (torch.device("cpu"),) * num_layers
+    if isinstance(device, (str, torch.device, int)):
+        return (_as_device(device),) * num_layers
+    devices = tuple(_as_device(d) for d in device)
+    if len(devices) != num_layers:
+        raise ValueError(f"device lists {len(devices)} devices, expected one per layer ({num_layers})")
+    return devices
+
+
+def _as_device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device") from e
+
+
+def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction) -> int:
+    if max_tokens is not None and memory_fraction is not None:
+        raise ValueError(f"pass max_tokens ({max_tokens}) or memory_fraction ({memory_fraction}), not both")
+    if memory_fraction is not None:
+        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
+            raise TypeError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
+        if not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        per_layer = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size() * page_size
+        bytes_by_device: dict[torch.device, int] = {}
+        for d in layer_devices:
+            bytes_by_device[d] = bytes_by_device.get(d, 0) + per_layer
+        pages = min(int(_free_bytes(d) * memory_fraction) // b for d, b in bytes_by_device.items())
+        if pages < 1:
+            raise ValueError(f"memory_fraction={memory_fraction} of the free memory does not hold one page")
+        return pages
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens must be an int, got {max_tokens!r}")
+    if max_tokens < page_size:
+        raise ValueError(f"max_tokens={max_tokens} is smaller than one page (page_size={page_size})")
+    return max_tokens // page_size
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+

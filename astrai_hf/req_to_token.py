@@ -1,0 +1,54 @@
+"""The ``req_to_token`` table: for each request row, the slot of each of its tokens (SGLang's ReqToTokenPool)."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import CacheFullError
+from .storage import TRASH_PAGE
+
+
+class ReqToTokenPool:
+    """``table[req_idx, i]`` is the slot of token ``i`` of the sequence held in row ``req_idx``.
+
+    Entries at or past a row's length point at the trash page (slot 0), so a padded gather never reads a freed slot.
+
+    Args:
+        max_reqs: rows.
+        max_seq_len: tokens per row.
+        device: where the table lives (the first layer's device).
+    """
+
+    def __init__(self, max_reqs: int, max_seq_len: int, device: torch.device):
+        self.max_reqs, self.max_seq_len, self.device = max_reqs, max_seq_len, device
+        self.table = torch.full((max_reqs, max_seq_len), TRASH_PAGE, dtype=torch.int32, device=device)
+        self._free = list(range(max_reqs - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, num: int) -> list[int]:
+        """Take ``num`` rows.
+
+        Raises:
+            CacheFullError: fewer than ``num`` rows are free (nothing is taken then).
+        """
+        if num > len(self._free):
+            raise CacheFullError(num, len(self._free), unit="request rows", detail=f"max_reqs={self.max_reqs}")
+        return [self._free.pop() for _ in range(num)]
+
+    def free(self, rows: list[int]) -> None:
+        """Return rows, resetting them to the trash slot."""
+        if not rows:
+            return
+        self.table[torch.tensor(rows, dtype=torch.long, device=self.device)] = TRASH_PAGE
+        self._free.extend(reversed(rows))
+
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """``table[rows[i], cols[i]] = slots[i]``; all three [N] int64 on the table's device."""
+        self.table.index_put_((rows, cols), slots.to(self.table.dtype))
+
+    def clear_from(self, row: int, start: int) -> None:
+        """Point ``table[row, start:]`` back at the trash slot (after a crop)."""
+        self.table[row, start:] = TRASH_PAGE

@@ -1,0 +1,63 @@
+"""K/V storage: one K and one V tensor per layer, on that layer's device, addressed by token slot.
+
+::
+
+    slot = page_id * page_size + offset            page 0 is the trash page: zeros, never handed out
+
+    k[layer]: [num_slots, num_kv_heads, head_dim]  page 0        page 1        page 2
+              ------------------------------------ |s0 .. s15|  |s16 .. s31|  |s32 .. s47| ...
+    v[layer]: same shape
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import PagePoolConfig
+
+TRASH_PAGE = 0
+
+
+class KVStorage:
+    """Per-layer K/V tensors of a page pool.
+
+    Memory is taken with ``torch.empty``: untouched pages cost no resident memory on CPU. Only the trash page is
+    zeroed; every other slot is written before any read that can reach a softmax with non-zero weight.
+    """
+
+    def __init__(self, config: PagePoolConfig):
+        self.config = config
+        spec = config.spec
+        shape = (config.num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for device in config.layer_devices:
+            k = torch.empty(shape, dtype=config.dtype, device=device)
+            v = torch.empty(shape, dtype=config.dtype, device=device)
+            k[: config.page_size].zero_()
+            v[: config.page_size].zero_()
+            self.k.append(k)
+            self.v.append(v)
+
+    def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store new tokens.
+
+        Args:
+            layer_idx: layer index.
+            slots: [N] int64 on the layer's device, destination slot of each token.
+            key, value: [N, num_kv_heads, head_dim] in the pool's dtype, on the layer's device.
+        """
+        self.k[layer_idx].index_copy_(0, slots, key)
+        self.v[layer_idx].index_copy_(0, slots, value)
+
+    def copy_page_prefix(self, src_page: int, dst_page: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` slots of ``src_page`` into ``dst_page`` in every layer (copy-on-write)."""
+        ps = self.config.page_size
+        src, dst = src_page * ps, dst_page * ps
+        for k, v in zip(self.k, self.v):
+            k[dst : dst + num_tokens].copy_(k[src : src + num_tokens])
+            v[dst : dst + num_tokens].copy_(v[src : src + num_tokens])
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
