@@ -1,0 +1,94 @@
+"""generate() through astrai-hf is token-for-token equal to stock transformers, on every supported architecture."""
+
+import pytest
+import torch
+
+import astrai_hf
+from astrai_hf import PagedCache, PagePool
+from tiny_models import ARCHS, left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.equivalence
+
+MODES = {
+    "greedy": dict(do_sample=False, max_new_tokens=10),
+    "sample": dict(do_sample=True, top_k=20, temperature=1.3, max_new_tokens=10),
+    "num_return_sequences": dict(do_sample=True, num_return_sequences=2, max_new_tokens=8),
+    "beam_search": dict(do_sample=False, num_beams=3, max_new_tokens=8),
+}
+
+
+def _generate(model, ids, mask, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=mask, **kwargs)
+
+
+def _cache_kwarg(model):
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request):
+    return tiny_model(request.param)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_unpatched_paged_cache_equals_dynamic_cache(model, mode):
+    ids, mask = left_padded_batch([7, 3, 10], seed=1)
+    ref = _generate(model, ids, mask, **MODES[mode])
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    with PagedCache(pool) as cache:
+        out = _generate(model, ids, mask, **MODES[mode], **{_cache_kwarg(model): cache})
+    assert torch.equal(out, ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_patched_generate_equals_stock(model, mode, monkeypatch):
+    ids, mask = left_padded_batch([7, 3, 10], seed=1)
+    ref = _generate(model, ids, mask, **MODES[mode])
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        calls = _count_paged_attention_calls(monkeypatch)
+        out = _generate(model, ids, mask, **MODES[mode])
+        assert calls["n"] > 0, "the patched model did not run paged attention"
+    finally:
+        astrai_hf.unpatch(model)
+    assert torch.equal(out, ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_prompt_lookup_decoding(model):
+    # assisted decoding is batch-size 1; a repetitive prompt makes the lookup propose (and reject) candidates
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 5, 6, 7]])
+    mask = torch.ones_like(ids)
+    kwargs = dict(do_sample=False, max_new_tokens=12, prompt_lookup_num_tokens=3)
+    ref = _generate(model, ids, mask, **kwargs)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    with PagedCache(pool) as cache:
+        out = _generate(model, ids, mask, **kwargs, **{_cache_kwarg(model): cache})
+    assert torch.equal(out, ref)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        out = _generate(model, ids, mask, **kwargs)
+    finally:
+        astrai_hf.unpatch(model)
+    assert torch.equal(out, ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def _count_paged_attention_calls(monkeypatch):
+    """Count reference paged-attention calls for the rest of the test."""
+    from astrai_hf import attention
+
+    calls = {"n": 0}
+    original = attention.paged_attention
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_attention", counting)
+    return calls
