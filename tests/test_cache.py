@@ -1,0 +1,180 @@
+"""PagedCache bookkeeping: page boundaries, no padding stored, no leaks, pool exhaustion, bad input."""
+
+import inspect
+
+import pytest
+import torch
+
+import astrai_hf
+from astrai_hf import CacheFullError, PagedCache, PagePool
+from tiny_models import left_padded_batch, tiny_model
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _kw(model):
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@pytest.mark.parametrize("prompt_len", [1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE])
+@pytest.mark.parametrize("new_tokens", [1, PAGE - 1, PAGE + 1])
+def test_page_boundaries(llama, prompt_len, new_tokens):
+    ids, mask = left_padded_batch([prompt_len, max(1, prompt_len - 1), prompt_len + 1], seed=prompt_len)
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens)
+    ref = llama.generate(ids, attention_mask=mask, **kwargs)
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    cache = PagedCache(pool)
+    out = llama.generate(ids, attention_mask=mask, **kwargs, **{_kw(llama): cache})
+    assert torch.equal(out, ref)
+    real = mask.sum(-1)
+    expected = (real + new_tokens - 1).tolist()  # the last generated token is never fed back
+    assert cache.seq_lens == expected, "padding must not be stored"
+    assert cache.num_pages == sum(-(-n // PAGE) for n in expected)
+    cache.release()
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        out = llama.generate(ids, attention_mask=mask, **kwargs)
+    finally:
+        astrai_hf.unpatch(llama)
+    assert torch.equal(out, ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_no_leak_over_many_calls(llama):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        for i in range(50):
+            ids, mask = left_padded_batch([1 + i % 9, 1 + (i * 7) % 11], seed=i)
+            llama.generate(ids, attention_mask=mask, do_sample=bool(i % 2), max_new_tokens=1 + i % 5,
+                           num_beams=1 + (i % 3 == 0))
+            stats = pool.stats()
+            assert stats["num_used_pages"] == 0 and stats["num_reqs_used"] == 0
+    finally:
+        astrai_hf.unpatch(llama)
+
+
+def test_forgotten_cache_is_released_by_its_finaliser(llama):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    ids, mask = left_padded_batch([5, 9])
+    cache = PagedCache(pool)
+    llama.generate(ids, attention_mask=mask, max_new_tokens=3, **{_kw(llama): cache})
+    assert pool.stats()["num_used_pages"] > 0
+    del cache
+    import gc
+
+    gc.collect()
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_pool_running_out_mid_generate_raises_and_releases(llama):
+    pool = PagePool.from_model(llama, max_tokens=6 * PAGE, page_size=PAGE)  # 6 pages
+    ids, mask = left_padded_batch([7, 7], seed=3)  # 2 pages per row to prefill, then growth
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        with pytest.raises(CacheFullError) as err:
+            llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+        assert isinstance(err.value, RuntimeError)
+        assert err.value.needed > err.value.free and "free" in str(err.value) and "evictable" in str(err.value)
+        assert pool.stats()["num_used_pages"] == 0
+        ref = _stock(llama, ids, mask, max_new_tokens=4)
+        out = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)  # the next call works
+        assert torch.equal(out, ref)
+    finally:
+        astrai_hf.unpatch(llama)
+    cache = PagedCache(pool)
+    with pytest.raises(CacheFullError):
+        llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, **{_kw(llama): cache})
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def _stock(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, do_sample=False, **kw)
+
+
+def test_too_many_rows_is_cache_full(llama):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_reqs=2)
+    ids, mask = left_padded_batch([3, 4, 5])
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        with pytest.raises(CacheFullError, match="request rows"):
+            llama.generate(ids, attention_mask=mask, max_new_tokens=2)
+    finally:
+        astrai_hf.unpatch(llama)
+    assert pool.stats()["num_reqs_used"] == 0
+
+
+def test_prompt_longer_than_max_seq_len_fails_before_any_forward(llama, monkeypatch):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_seq_len=12)
+    ids, mask = left_padded_batch([6, 9])
+    astrai_hf.patch(llama, pool=pool)
+    calls = []
+    monkeypatch.setattr(type(llama), "forward", lambda *a, **k: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="max_seq_len=12"):
+            llama.generate(ids, attention_mask=mask, max_new_tokens=4)
+    finally:
+        astrai_hf.unpatch(llama)
+    assert calls == []
+    with pytest.raises(ValueError, match="max_seq_len=12"):
+        PagedCache(pool, torch.ones(1, 13, dtype=torch.long))
+
+
+def test_unpatched_cache_refuses_a_row_past_max_seq_len(llama):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_seq_len=10)
+    ids, mask = left_padded_batch([6, 8])
+    cache = PagedCache(pool)
+    with pytest.raises(ValueError, match="max_seq_len=10"):
+        llama.generate(ids, attention_mask=mask, max_new_tokens=8, **{_kw(llama): cache})
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_right_padding_is_refused_with_a_clear_error(llama):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="left-padded"):
+        PagedCache(pool, torch.ones(2, 3, dtype=torch.long), mask)
+
+
+def test_row_operations_share_pages(llama):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    ids, mask = left_padded_batch([6, 3])
+    cache = PagedCache(pool, ids, mask)  # a bare forward gets no position_ids: the cache needs the mask
+    llama(input_ids=ids, attention_mask=mask, **{_kw(llama): cache})
+    used = pool.stats()["num_used_pages"]
+    cache.batch_repeat_interleave(3)
+    assert cache.seq_lens == [6, 6, 6, 3, 3, 3]
+    assert pool.stats()["num_used_pages"] == used, "repeated rows share pages"
+    cache.batch_select_indices(torch.tensor([0, 4]))
+    assert cache.seq_lens == [6, 3]
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert cache.seq_lens == [3, 3]
+    cache.crop(-2)
+    assert cache.seq_lens == [1, 1] and cache.get_seq_length() == 4
+    cache.release()
+    assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+
+
+def test_cache_continues_across_forward_calls(llama):
+    """A pre-filled cache, then generate() on the full prompt: only the rest is prefilled."""
+    ids, mask = left_padded_batch([9, 5], seed=5)
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    for patched in (False, True):
+        if patched:
+            astrai_hf.patch(llama, pool=pool)
+        try:
+            cache = PagedCache(pool, ids, mask)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            llama(input_ids=ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], **{_kw(llama): cache})
+            out = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, **{_kw(llama): cache})
+            assert torch.equal(out, ref)
+            cache.release()
+        finally:
+            astrai_hf.unpatch(llama)
+    assert pool.stats()["num_used_pages"] == 0

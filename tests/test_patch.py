@@ -1,0 +1,74 @@
+"""patch() / unpatch(): the one-line entry point."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import astrai_hf
+from astrai_hf import PagePool
+from tiny_models import left_padded_batch, tiny_model
+
+
+def test_falcon_is_refused_with_the_class_name():
+    model = tiny_model("falcon")
+    with pytest.raises(NotImplementedError, match="FalconAttention"):
+        astrai_hf.patch(model)
+    assert not astrai_hf.is_patched(model)
+
+
+def test_unpatch_restores_the_model_exactly():
+    model = tiny_model("qwen2")
+    before = dict(model.__dict__)
+    impl = model.config._attn_implementation
+    ids, mask = left_padded_batch([4, 6])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert astrai_hf.patch(model) is model
+    assert astrai_hf.get_pool(model).stats()["num_pages"] > 0
+    model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    astrai_hf.unpatch(model)
+    assert set(model.__dict__) == set(before) and model.forward.__func__ is type(model).forward
+    assert model.config._attn_implementation == impl
+    assert not any(hasattr(m, "_astrai_patch_state") for m in model.modules())
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
+    with pytest.raises(ValueError, match="not patched"):
+        astrai_hf.get_pool(model)
+
+
+def test_patched_model_keeps_stock_behaviour_without_a_paged_cache():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 7])
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, past_key_values=DynamicCache())
+    astrai_hf.patch(model)
+    try:
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, logits, rtol=0, atol=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             past_key_values=DynamicCache())
+        assert torch.equal(out, ref)
+        assert model.config._attn_implementation == "sdpa"
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_patch_with_pool_and_repatch_swaps_pool():
+    model = tiny_model("llama")
+    a = PagePool.from_model(model, max_tokens=64)
+    b = PagePool.from_model(model, max_tokens=128)
+    astrai_hf.patch(model, pool=a)
+    assert astrai_hf.get_pool(model) is a
+    astrai_hf.patch(model, pool=b)
+    assert astrai_hf.get_pool(model) is b
+    with pytest.raises(ValueError, match="not both"):
+        astrai_hf.unpatch(model)
+        astrai_hf.patch(model, pool=a, max_tokens=64)
+    astrai_hf.unpatch(model)
+
+
+def test_import_registers_nothing():
+    import subprocess
+    import sys
+
+    code = ("import astrai_hf; from transformers import AttentionInterface; "
+            "print('astrai_paged' in AttentionInterface._global_mapping)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

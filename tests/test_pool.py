@@ -1,0 +1,82 @@
+"""PagePool construction: sizing, validation errors, statistics, model checks."""
+
+import pytest
+import torch
+
+import astrai_hf
+from astrai_hf import PagedCache, PagePool
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def test_sizing_and_stats(llama):
+    pool = PagePool.from_model(llama, max_tokens=100, page_size=16)
+    s = pool.stats()
+    assert s["num_pages"] == 6 and s["num_free_pages"] == 6 and s["num_used_pages"] == 0
+    for key in ("num_cached_pages", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes_used"):
+        assert s[key] == 0
+    per_page = 16 * 2 * 2 * 2 * 16 * 4  # tokens x K,V x layers x kv heads x head_dim x fp32
+    assert s["kv_bytes_total"] == 6 * per_page
+    assert pool.storage.k[0].shape == (7 * 16, 2, 16)
+    assert pool.req_to_token.table.dtype == torch.int32
+    assert pool.max_seq_len == 96  # capped by capacity (max_position_embeddings is 256)
+
+
+def test_memory_fraction_sizing(llama):
+    pool = PagePool.from_model(llama, memory_fraction=1e-6, page_size=16)
+    assert pool.stats()["num_pages"] >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
+        (dict(page_size=2.5), TypeError, "page_size"),
+        (dict(max_tokens=8, page_size=16), ValueError, "max_tokens=8 is smaller than one page"),
+        (dict(memory_fraction=0.0), ValueError, r"memory_fraction must be in \(0, 1\], got 0.0"),
+        (dict(memory_fraction=1.5), ValueError, "got 1.5"),
+        (dict(memory_fraction=0.5, max_tokens=64), ValueError, "not both"),
+        (dict(max_reqs=0), ValueError, "max_reqs must be >= 1, got 0"),
+        (dict(max_seq_len=0), ValueError, "max_seq_len must be >= 1, got 0"),
+        (dict(dtype=torch.int8), TypeError, "dtype must be a floating"),
+        (dict(device="nowhere"), ValueError, "'nowhere' is not a torch device"),
+    ],
+)
+def test_bad_arguments_name_the_value(llama, kwargs, error, text):
+    with pytest.raises(error, match=text):
+        PagePool(llama.config, **{"max_tokens": kwargs.pop("max_tokens", 256) if "memory_fraction" not in kwargs
+                                  else kwargs.pop("max_tokens", None), **kwargs})
+
+
+def test_pool_for_another_model_is_refused(llama):
+    pool = PagePool.from_model(tiny_model("mistral"), max_tokens=64)  # 1 KV head
+    with pytest.raises(ValueError, match="num_kv_heads=1.*num_kv_heads=2"):
+        astrai_hf.patch(llama, pool=pool)
+    with pytest.raises(ValueError, match="heads"):
+        llama.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, past_key_values=PagedCache(pool))
+    assert pool.stats()["num_used_pages"] == 0
+    assert not astrai_hf.is_patched(llama)
+
+
+def test_dtype_mismatch_is_a_type_error(llama):
+    pool = PagePool.from_model(llama, max_tokens=64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="float32.*bfloat16"):
+        astrai_hf.patch(llama, pool=pool)
+    with pytest.raises(TypeError, match="bfloat16"):
+        llama.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, past_key_values=PagedCache(pool))
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_device_mismatch_is_a_value_error(llama):
+    pool = PagePool.from_model(llama, max_tokens=64, device="meta")
+    with pytest.raises(ValueError, match="layer 0 of the model is on cpu.*meta"):
+        astrai_hf.patch(llama, pool=pool)
+
+
+def test_paged_cache_needs_a_pool():
+    with pytest.raises(TypeError, match="PagePool"):
+        PagedCache(object())
