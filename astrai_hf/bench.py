@@ -1,0 +1,152 @@
+"""``astrai-hf bench``: decode speed and KV memory of DynamicCache, StaticCache and patched PagedCache, side by side.
+
+Decode tokens/s is measured as ``B * (N - 1) / (t(N new tokens) - t(1 new token))``: the difference of two
+``generate()`` calls on the same prompts removes prefill time. KV bytes are what the cache holds when generation ends.
+"""
+
+from __future__ import annotations
+
+import inspect
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import patch as patch_mod
+from .cache import PagedCache
+from .pool import PagePool
+
+
+@dataclass
+class Row:
+    batch: str
+    cache: str
+    decode_tok_s: float
+    kv_bytes: int
+    same_tokens: bool
+
+
+def mixed_prompts(tokenizer, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of exactly ``lengths`` tokens, cut from varied English text."""
+    g = torch.Generator().manual_seed(seed)
+    words = ("the model reads a long document about rivers , cities , history and science and then answers "
+             "questions about what it read in short clear sentences").split()
+    rows = []
+    for n in lengths:
+        order = torch.randint(0, len(words), (n * 2,), generator=g).tolist()
+        ids = tokenizer(" ".join(words[i] for i in order), add_special_tokens=False)["input_ids"]
+        while len(ids) < n:
+            ids = ids + ids
+        rows.append(ids[:n])
+    width = max(lengths)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, ids in enumerate(rows):
+        input_ids[r, width - len(ids):] = torch.tensor(ids)
+        mask[r, width - len(ids):] = 1
+    return input_ids, mask
+
+
+def _kv_bytes(cache) -> int:
+    if isinstance(cache, PagedCache):
+        return cache.pool.stats()["kv_bytes_used"]
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _run(model, ids, mask, new_tokens: int, make_cache):
+    cache = make_cache()
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+        cache = None
+    if cache is not None:
+        kwargs[_cache_kwarg(model)] = cache
+    kwargs["return_dict_in_generate"] = True
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    elapsed = time.perf_counter() - start
+    held = cache if cache is not None else (getattr(out, "cache", None) or getattr(out, "past_key_values", None))
+    nbytes = _kv_bytes(held)
+    if isinstance(cache, PagedCache):
+        cache.release()
+    return out.sequences, elapsed, nbytes
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def measure(model, ids, mask, new_tokens: int, label: str, pool: PagePool) -> list[Row]:
+    """One batch, three caches; returns one row per cache."""
+    setups = {
+        "DynamicCache": lambda: None,
+        "StaticCache": lambda: "static",
+        "PagedCache (patched)": lambda: PagedCache(pool),
+    }
+    rows, reference = [], None
+    for name, make in setups.items():
+        if name.startswith("Paged"):
+            patch_mod.patch(model, pool=pool)
+        try:
+            _run(model, ids[:, :8], mask[:, :8], 2, make)  # warm-up
+            _, t1, _ = _run(model, ids, mask, 1, make)
+            seqs, tn, nbytes = _run(model, ids, mask, new_tokens, make)
+        finally:
+            patch_mod.unpatch(model)
+        if reference is None:
+            reference = seqs
+        speed = ids.shape[0] * (new_tokens - 1) / max(tn - t1, 1e-9)
+        rows.append(Row(label, name, speed, nbytes, torch.equal(seqs, reference)))
+    return rows
+
+
+def run(model, tokenizer, *, new_tokens_b1: int = 64, new_tokens_b8: int = 32, seed: int = 0,
+        progress=None) -> tuple[list[Row], dict]:
+    """The benchmark of the README: batch 1 (512-token prompt) and batch 8 (prompts of 64-1000 tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths8 = [64, 1000] + torch.randint(64, 1001, (6,), generator=g).tolist()
+    batches = [("batch 1 (512-token prompt)", [512], new_tokens_b1),
+               (f"batch 8 (prompts {min(lengths8)}-{max(lengths8)} tokens)", lengths8, new_tokens_b8)]
+    pool = PagePool.from_model(model, max_tokens=16_384, page_size=16)
+    rows = []
+    for label, lengths, n in batches:
+        ids, mask = mixed_prompts(tokenizer, lengths, seed)
+        rows += measure(model, ids, mask, n, label, pool)
+        if progress is not None:
+            progress.update()
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {platform.python_version()}",
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+    return rows, env
+
+
+def to_markdown(rows: list[Row], env: dict) -> str:
+    lines = [
+        f"Embedded model, {env['device']}, {env['dtype']}, torch {env['torch']}, transformers "
+        f"{env['transformers']}, {env['threads']} threads, {env['date']}.",
+        "",
+        "| batch | cache | decode tok/s | vs DynamicCache | KV bytes | vs DynamicCache | tokens identical |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    base = {}
+    for r in rows:
+        base.setdefault(r.batch, r)
+        b = base[r.batch]
+        lines.append(
+            f"| {r.batch} | {r.cache} | {r.decode_tok_s:.1f} | {r.decode_tok_s / b.decode_tok_s:.2f}x | "
+            f"{r.kv_bytes / 2**20:.1f} MiB | {r.kv_bytes / max(b.kv_bytes, 1):.2f}x | {'yes' if r.same_tokens else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"

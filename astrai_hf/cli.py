@@ -1,0 +1,141 @@
+"""The ``astrai-hf`` command: ``demo``, ``generate`` and ``bench`` on the embedded model or any ``--model``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEMO_TURNS = [
+    "What is the capital of France?",
+    "Name one famous museum there.",
+    "In one sentence, why do people visit it?",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="astrai-hf", description=__doc__)
+    parser.add_argument("--model", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="multi-turn chat through the patched generate(), then a side-by-side table")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    gen = sub.add_parser("generate", help="answer one prompt (chat template), streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    bench = sub.add_parser("bench", help="decode tok/s and KV bytes: DynamicCache vs StaticCache vs PagedCache")
+    bench.add_argument("--out", type=Path, default=None, help="folder for bench.md and bench.json")
+    args = parser.parse_args(argv)
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model)
+    if args.command == "demo":
+        return _demo(model, tokenizer, args.max_new_tokens)
+    if args.command == "generate":
+        return _generate(model, tokenizer, args.prompt, args.max_new_tokens, args.sample)
+    return _bench(model, tokenizer, args.out)
+
+
+def _chat_inputs(tokenizer, conversations):
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def _generate(model, tokenizer, prompt, max_new_tokens, sample) -> int:
+    from transformers import TextStreamer
+
+    import astrai_hf
+
+    astrai_hf.patch(model)
+    inputs = _chat_inputs(tokenizer, [[{"role": "user", "content": prompt}]])
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=sample, streamer=streamer)
+    return 0
+
+
+def _demo(model, tokenizer, max_new_tokens) -> int:
+    import astrai_hf
+
+    from .bench import _kv_bytes
+
+    pool = astrai_hf.PagePool.from_model(model, max_tokens=8192, page_size=16)
+    astrai_hf.patch(model, pool=pool)
+    print(f"astrai-hf demo: {model.config.model_type}, {pool}\n")
+    conversation, transcript = [], []
+    for turn in DEMO_TURNS:
+        conversation.append({"role": "user", "content": turn})
+        inputs = _chat_inputs(tokenizer, [conversation])
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        conversation.append({"role": "assistant", "content": answer})
+        transcript.append(list(conversation[:-1]))
+        print(f"user: {turn}\nassistant: {answer}")
+        s = pool.stats()
+        print(f"  pool: {s['num_used_pages']} pages used of {s['num_pages']}, prefix hits "
+              f"{s['prefix_hit_tokens']}/{s['prefix_query_tokens']} tokens\n")
+
+    # the same prompts as one left-padded batch, stock DynamicCache vs the patched PagedCache
+    inputs = _chat_inputs(tokenizer, transcript)
+    results = {}
+    for name in ("DynamicCache", "PagedCache"):
+        if name == "DynamicCache":
+            astrai_hf.unpatch(model)
+            cache = None
+        else:
+            astrai_hf.patch(model, pool=pool)
+            cache = astrai_hf.PagedCache(pool)
+        kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                      return_dict_in_generate=True)
+        if cache is not None:
+            kwargs["cache" if "cache" in _params(model) else "past_key_values"] = cache
+        start = time.perf_counter()
+        out = model.generate(**inputs, **kwargs)
+        elapsed = time.perf_counter() - start
+        held = cache if cache is not None else (getattr(out, "cache", None) or getattr(out, "past_key_values", None))
+        results[name] = (out.sequences, elapsed, _kv_bytes(held))
+        if cache is not None:
+            cache.release()
+    astrai_hf.unpatch(model)
+    ref = results["DynamicCache"][0]
+    batch = inputs["input_ids"].shape[0]
+    print(f"Side by side: the {batch} prompts above as one left-padded batch, {max_new_tokens} new tokens each")
+    print(f"{'cache':<14}{'tokens identical':>18}{'tok/s (end to end)':>20}{'KV bytes':>14}")
+    for name, (seqs, elapsed, nbytes) in results.items():
+        same = "yes" if torch.equal(seqs, ref) else "NO"
+        print(f"{name:<14}{same:>18}{batch * max_new_tokens / elapsed:>20.1f}{nbytes / 2**20:>11.2f} MiB")
+    print(f"after the demo: {pool.stats()['num_used_pages']} pages in use")
+    return 0
+
+
+def _params(model):
+    import inspect
+
+    return inspect.signature(model.forward).parameters
+
+
+def _bench(model, tokenizer, out_dir) -> int:
+    from tqdm.auto import tqdm
+
+    from .bench import run, to_markdown
+
+    with tqdm(total=2, desc="bench", unit="batch") as bar:
+        rows, env = run(model, tokenizer, progress=bar)
+    table = to_markdown(rows, env)
+    print(table)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench.md").write_text(table)
+        (out_dir / "bench.json").write_text(json.dumps({"env": env, "rows": [r.__dict__ for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

