@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import patch as patch_mod
+from .patch import patch, unpatch
 from .cache import PagedCache
 from .pool import PagePool
 
@@ -93,13 +93,13 @@ def measure(model, ids, mask, new_tokens: int, label: str, pool: PagePool) -> li
     rows, reference = [], None
     for name, make in setups.items():
         if name.startswith("Paged"):
-            patch_mod.patch(model, pool=pool)
+            patch(model, pool=pool)
         try:
             _run(model, ids[:, :8], mask[:, :8], 2, make)  # warm-up
             _, t1, _ = _run(model, ids, mask, 1, make)
             seqs, tn, nbytes = _run(model, ids, mask, new_tokens, make)
         finally:
-            patch_mod.unpatch(model)
+            unpatch(model)
         if reference is None:
             reference = seqs
         speed = ids.shape[0] * (new_tokens - 1) / max(tn - t1, 1e-9)
@@ -109,9 +109,11 @@ def measure(model, ids, mask, new_tokens: int, label: str, pool: PagePool) -> li
 
 def run(model, tokenizer, *, new_tokens_b1: int = 64, new_tokens_b8: int = 32, seed: int = 0,
         progress=None) -> tuple[list[Row], dict]:
-    """The benchmark of the README: batch 1 (512-token prompt) and batch 8 (prompts of 64-1000 tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    lengths8 = [64, 1000] + torch.randint(64, 1001, (6,), generator=g).tolist()
+    """The benchmark of the README: batch 1 (512-token prompt) and batch 8 (prompts of 64-1000 tokens,
+    geometrically spaced). Returns the rows and a description of the environment."""
+    # geometric spacing from 64 to 1000 tokens: many short prompts, few long ones, as in chat traffic; the
+    # padded rectangle is then about 36% real tokens
+    lengths8 = [round(64 * (1000 / 64) ** (i / 7)) for i in range(8)]
     batches = [("batch 1 (512-token prompt)", [512], new_tokens_b1),
                (f"batch 8 (prompts {min(lengths8)}-{max(lengths8)} tokens)", lengths8, new_tokens_b8)]
     pool = PagePool.from_model(model, max_tokens=16_384, page_size=16)

