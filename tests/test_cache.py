@@ -178,3 +178,19 @@ def test_cache_continues_across_forward_calls(llama):
         finally:
             astrai_hf.unpatch(llama)
     assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, PAGE, 64])
+def test_chunked_prefill(llama, chunk):
+    ids, mask = left_padded_batch([9, 2, 6], seed=7)
+    kwargs = dict(do_sample=False, max_new_tokens=5, prefill_chunk_size=chunk)
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    with PagedCache(pool) as cache:
+        assert torch.equal(llama.generate(ids, attention_mask=mask, **kwargs, **{_kw(llama): cache}), ref)
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        assert torch.equal(llama.generate(ids, attention_mask=mask, **kwargs), ref)
+    finally:
+        astrai_hf.unpatch(llama)
+    assert pool.stats()["num_used_pages"] == 0

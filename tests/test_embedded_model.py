@@ -52,3 +52,10 @@ def test_greedy_64_tokens_identical_to_dynamic_cache(smollm):
     assert pool.stats()["num_used_pages"] == 0
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_cli_generate_answers(smollm, capsys):
+    from astrai_hf.cli import main
+
+    assert main(["generate", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
+    assert "Paris" in capsys.readouterr().out
