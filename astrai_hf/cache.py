@@ -147,6 +147,16 @@ class PagedCache(Cache):
             n = B // len(self._num_pad)
             self._num_pad = [p for p in self._num_pad for _ in range(n)]
         start, end = self.logical_len, self.logical_len + q
+        if (
+            attention_mask is not None
+            and attention_mask.dim() == 2
+            and attention_mask.shape == (B, end)
+            and any(start <= p for p in self._num_pad)
+        ):
+            # a row with no token stored yet (chunked prefill of long padding) may have more padding than the
+            # first chunk showed: re-read it from the wider mask
+            fresh = left_padding(attention_mask)
+            self._num_pad = [f if start <= p else p for p, f in zip(self._num_pad, fresh)]
         prev = [max(0, start - p) for p in self._num_pad]
         seq = [max(0, end - p) for p in self._num_pad]
         for r, s in enumerate(seq):
