@@ -14,19 +14,40 @@ from .pool import PagePool
 
 class _Rows:
     """The pages and ``req_to_token`` rows one cache holds. Kept apart from the cache so that a finaliser can
-    return them without keeping the cache alive."""
+    return them without keeping the cache alive.
+
+    ``known[r]``: leading tokens of row ``r`` whose K/V is complete in every layer and whose token ids are recorded
+    in ``req_to_token.token_ids``; their full pages go to the prefix cache on release.
+    """
 
     def __init__(self, pool: PagePool):
         self.pool = pool
         self.req_rows: list[int] = []
         self.pages: list[list[int]] = []
+        self.known: list[int] = []
 
     def release(self) -> None:
         pool = self.pool
-        for pages in self.pages:
-            pool.allocator.decref(pages)
-        pool.req_to_token.free(self.req_rows)
-        self.req_rows, self.pages = [], []
+        try:
+            if pool.prefix_cache is not None:
+                self._insert_into_prefix_cache()
+        finally:
+            for pages in self.pages:
+                pool.allocator.decref(pages)
+            pool.req_to_token.free(self.req_rows)
+            self.req_rows, self.pages, self.known = [], [], []
+
+    def _insert_into_prefix_cache(self) -> None:
+        ps = self.pool.page_size
+        todo = [(r, n // ps * ps) for r, n in enumerate(self.known) if n >= ps]
+        if not todo:
+            return
+        width = max(n for _, n in todo)
+        table = self.pool.req_to_token
+        rows = torch.tensor([self.req_rows[r] for r, _ in todo], dtype=torch.long, device=table.device)
+        ids = table.token_ids[rows, :width].tolist()
+        for (r, n), row_ids in zip(todo, ids):
+            self.pool.prefix_cache.insert(row_ids[:n], self.pages[r])
 
 
 class PagedCache(Cache):
@@ -39,22 +60,39 @@ class PagedCache(Cache):
     ``generate()`` sees a left-padded rectangle of ``logical_len`` columns (what ``get_seq_length()`` reports); row
     ``r`` stores only its real tokens, ``seq_lens[r] = logical_len - num_pad[r]`` of them.
 
+    Prefix cache: given the prompt, the cache looks each row up in the pool's prefix cache at once and starts
+    pre-filled with the longest prefix every row has cached (``get_seq_length()`` then tells ``generate()`` to
+    compute only the rest; the last prompt token is always computed). When the cache is released, the full pages
+    of every row (prompt and generated tokens whose ids it saw) are offered to the prefix cache.
+
     Args:
         pool: where the K/V go.
-        input_ids: [B, L] int64, optional: the prompt, to check its length against the pool up front.
-        attention_mask: [B, L] 0/1, optional: the prompt's left padding. Without it the padding is read from the
-            2D attention mask of a patched forward, else from ``position_ids`` (transformers >= 5.24), else every
-            column is stored.
+        input_ids: [B, L] int64, optional: the prompt. Its length is checked against the pool, and it is matched
+            against the prefix cache.
+        attention_mask: [B, L] 0/1, optional: the prompt's left padding. Without it a one-row prompt is taken as
+            unpadded; a batch without it is not matched, and its padding is read from the 2D attention mask of a
+            patched forward, else from ``position_ids`` (transformers >= 5.24), else every column is stored.
+        prefix_cache: look the prompt up in the pool's prefix cache (default True; no effect on a pool built with
+            ``prefix_cache=False``).
 
     Raises:
         TypeError: ``pool`` is not a PagePool.
-        ValueError: the prompt is longer than ``pool.max_seq_len`` or ``attention_mask`` is not left-padded.
+        ValueError: the prompt is longer than ``pool.max_seq_len``, ``attention_mask`` is not left-padded or does
+            not have the shape of ``input_ids``.
+        CacheFullError: a prefix hit needs more request rows than the pool has free.
     """
 
     is_compileable = False  # True makes generate() build 4D masks and torch.compile the forward
     is_croppable = True
 
-    def __init__(self, pool: PagePool, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None):
+    def __init__(
+        self,
+        pool: PagePool,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        prefix_cache: bool = True,
+    ):
         # Cache.__init__ is not called: it requires per-layer objects, and this cache keeps none.
         if not isinstance(pool, PagePool):
             raise TypeError(f"PagedCache needs a PagePool, got {type(pool).__name__}")
@@ -65,22 +103,34 @@ class PagedCache(Cache):
         self._finalizer = weakref.finalize(self, self._rows.release)
         self._num_pad: list[int] | None = None
         self._prompt_pads: list[int] | None = None
+        self._prompt_ids: list[list[int]] | None = None
+        self._first_step_planned = False
         self._step: StepMetadata | None = None
         self._step_layers: set[int] = set()
+        self._pending_known: list[int] | None = None
         self._pending_q = 0
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-            pads = [0] * input_ids.shape[0]
-            if attention_mask is not None:
-                pads = left_padding(attention_mask)
-            longest = input_ids.shape[1] - min(pads)
-            if longest > pool.max_seq_len:
+        self.prefix_hit_tokens: list[int] = []
+        if input_ids is None:
+            return
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        B, L = input_ids.shape
+        pads = [0] * B
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, L):
                 raise ValueError(
-                    f"the prompt has {longest} tokens, more than the pool's max_seq_len={pool.max_seq_len}"
+                    f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {(B, L)}; they must match"
                 )
-            if attention_mask is not None:
-                self._prompt_pads = pads
+            pads = left_padding(attention_mask)
+        longest = L - min(pads)
+        if longest > pool.max_seq_len:
+            raise ValueError(f"the prompt has {longest} tokens, more than the pool's max_seq_len={pool.max_seq_len}")
+        if attention_mask is None and B > 1:
+            return
+        self._prompt_pads, self._num_pad = pads, list(pads)
+        self._prompt_ids = [row[p:] for row, p in zip(input_ids.tolist(), pads)]
+        if prefix_cache and pool.prefix_cache is not None and L > 1:
+            self._match_prefix(pads, L)
 
     # ------------------------------------------------------------------ views
     @property
@@ -98,6 +148,47 @@ class PagedCache(Cache):
     def __repr__(self) -> str:
         return f"PagedCache(rows={len(self._rows.req_rows)}, seq_lens={self.seq_lens}, logical_len={self.logical_len})"
 
+    # ------------------------------------------------------------------ prefix cache
+    def _match_prefix(self, pads: list[int], width: int) -> None:
+        """Start pre-filled with the longest prefix all rows have in the pool's prefix cache.
+
+        ``generate()`` reads one cached length for the whole left-padded batch, so row ``r`` reuses
+        ``P - pads[r]`` tokens where ``P = min_r(pads[r] + hit[r])``, capped at ``width - 1`` so that the last
+        prompt column is computed and yields logits. A partly used page is shared until the row writes into it,
+        then copied (copy-on-write).
+        """
+        pool, ps = self.pool, self.pool.page_size
+        hits = [pool.prefix_cache.match(ids) for ids in self._prompt_ids]
+        logical = min(min(p + n for p, (_, n) in zip(pads, hits)), width - 1)
+        use = [max(0, logical - p) for p in pads]
+        pool.counters["prefix_query_tokens"] += sum(len(ids) for ids in self._prompt_ids)
+        self.prefix_hit_tokens = use
+        if not any(use):
+            return
+        req_rows = pool.req_to_token.alloc(len(pads))
+        rows = self._rows
+        rows.req_rows = req_rows
+        rows.pages = [list(pages[: -(-u // ps)]) for (pages, _), u in zip(hits, use)]
+        for pages in rows.pages:
+            pool.allocator.incref(pages)  # locked before this call allocates anything
+        rows.known = list(use)
+        pool.counters["prefix_hit_tokens"] += sum(use)
+        w_rows, w_cols, w_slots, w_ids = [], [], [], []
+        for r, u in enumerate(use):
+            pages = rows.pages[r]
+            w_rows.extend([req_rows[r]] * u)
+            w_cols.extend(range(u))
+            w_slots.extend(pages[i // ps] * ps + i % ps for i in range(u))
+            w_ids.extend(self._prompt_ids[r][:u])
+        table = pool.req_to_token
+        dev = table.device
+        r_t = torch.tensor(w_rows, dtype=torch.long, device=dev)
+        c_t = torch.tensor(w_cols, dtype=torch.long, device=dev)
+        table.write(r_t, c_t, torch.tensor(w_slots, dtype=torch.long, device=dev))
+        table.write_ids(r_t, c_t, torch.tensor(w_ids, dtype=torch.long, device=dev))
+        self._num_pad = list(pads)
+        self.logical_len = logical
+
     # ------------------------------------------------------------------ planning
     def plan_step(
         self,
@@ -106,6 +197,7 @@ class PagedCache(Cache):
         *,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
         paged: bool = False,
     ) -> StepMetadata:
         """Allocate slots for one forward step of ``q_len`` columns and record where each real token goes.
@@ -118,34 +210,64 @@ class PagedCache(Cache):
             q_len: columns of the input.
             position_ids: [B or 1, q_len], optional, to find left padding on the first step.
             attention_mask: [B, logical_len + q_len] 0/1, optional, the same.
+            input_ids: [B, q_len], optional: the step's token ids, recorded for the prefix cache. On a patched
+                model, when the cache holds fewer rows than the input and each group of input rows is identical
+                (``num_return_sequences`` / beams expanding a prompt), one copy per group is stored and shared.
             paged: attention reads the pool (patched model).
 
         Raises:
-            CacheFullError: the pool has too few free pages or request rows; the cache is released first.
-            ValueError: a row would exceed ``max_seq_len`` or the batch size changed; the cache is released first.
+            CacheFullError: the pool has too few free (or evictable) pages or request rows; the cache is released
+                first.
+            ValueError: a row would exceed ``max_seq_len``, the batch size changed, or the padding differs from the
+                prompt's the cache was built with; the cache is released first.
         """
         try:
-            step = self._plan(batch_size, q_len, position_ids, attention_mask, paged)
+            step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged)
         except (CacheFullError, ValueError):
             self.release()
             raise
         self._step, self._step_layers = step, set()
         return step
 
-    def _plan(self, B, q, position_ids, attention_mask, paged) -> StepMetadata:
-        rows, pool = self._rows, self.pool
-        ps = pool.page_size
+    def _check_padding(self, B, q, position_ids, attention_mask) -> None:
+        end = self.logical_len + q
         if self._num_pad is None:
             self._num_pad = self._find_padding(B, q, position_ids, attention_mask)
-        if rows.req_rows and B != len(rows.req_rows):
-            if B % len(rows.req_rows):
-                raise ValueError(f"the cache holds {len(rows.req_rows)} rows but the input has {B}")
-            self.batch_repeat_interleave(B // len(rows.req_rows))
-        elif len(self._num_pad) != B:
-            if B % len(self._num_pad):
-                raise ValueError(f"the cache expects {len(self._num_pad)} rows but the input has {B}")
+        elif (
+            not self._first_step_planned
+            and attention_mask is not None
+            and attention_mask.dim() == 2
+            and attention_mask.shape[1] == end
+            and B % len(self._num_pad) == 0
+        ):
             n = B // len(self._num_pad)
-            self._num_pad = [p for p in self._num_pad for _ in range(n)]
+            expected = [min(p, end) for p in self._num_pad for _ in range(n)]
+            seen = left_padding(attention_mask)
+            if seen != expected:
+                if self.logical_len == 0 and not self._rows.req_rows:
+                    self._num_pad, self._prompt_ids, self._prompt_pads = seen, None, None
+                else:
+                    raise ValueError(
+                        f"the attention_mask of the first forward has left padding {seen}, but this cache was built "
+                        f"for a prompt with padding {expected}; pass the same attention_mask to PagedCache and "
+                        "generate()"
+                    )
+        self._first_step_planned = True
+
+    def _plan(self, B, q, position_ids, attention_mask, input_ids, paged) -> StepMetadata:
+        rows, pool = self._rows, self.pool
+        ps = pool.page_size
+        self._check_padding(B, q, position_ids, attention_mask)
+        held = len(rows.req_rows) or len(self._num_pad)
+        group = 1
+        if B != held:
+            if B % held:
+                raise ValueError(f"the cache holds {held} rows but the input has {B}")
+            group = B // held
+            if not (paged and _grouped(input_ids, group) and _grouped(attention_mask, group)):
+                self.batch_repeat_interleave(group)
+                group = 1
+        Bp = B // group  # rows planned (and stored); with group > 1 each is shared by `group` input rows
         start, end = self.logical_len, self.logical_len + q
         if (
             attention_mask is not None
@@ -155,7 +277,7 @@ class PagedCache(Cache):
         ):
             # a row with no token stored yet (chunked prefill of long padding) may have more padding than the
             # first chunk showed: re-read it from the wider mask
-            fresh = left_padding(attention_mask)
+            fresh = left_padding(attention_mask[::group])
             self._num_pad = [f if start <= p else p for p, f in zip(self._num_pad, fresh)]
         prev = [max(0, start - p) for p in self._num_pad]
         seq = [max(0, end - p) for p in self._num_pad]
@@ -165,26 +287,31 @@ class PagedCache(Cache):
                     f"row {r} would hold {s} tokens, more than the pool's max_seq_len={pool.max_seq_len}"
                 )
         if not rows.req_rows:
-            rows.req_rows = pool.req_to_token.alloc(B)
-            rows.pages = [[] for _ in range(B)]
+            rows.req_rows = pool.req_to_token.alloc(Bp)
+            rows.pages = [[] for _ in range(Bp)]
+            rows.known = [0] * Bp
         alloc = pool.allocator
         cow = [
             seq[r] > prev[r] and prev[r] % ps != 0 and alloc.ref_count(rows.pages[r][prev[r] // ps]) > 1
-            for r in range(B)
+            for r in range(Bp)
         ]
-        needed = sum(-(-seq[r] // ps) - len(rows.pages[r]) + cow[r] for r in range(B))
-        if needed > alloc.num_free:
+        needed = sum(-(-seq[r] // ps) - len(rows.pages[r]) + cow[r] for r in range(Bp))
+        try:
+            pool.reserve(needed)
+        except CacheFullError as e:
             raise CacheFullError(
-                needed, alloc.num_free, 0,
+                e.needed, e.free, e.evictable,
                 detail=f"{B} rows, step of {q} tokens, page_size={ps}, num_pages={alloc.num_usable}",
-            )
+            ) from None
         w_rows, w_cols, w_slots, new_slots, src = [], [], [], [], []
-        for r in range(B):
+        new_rows, new_cols, id_rows, id_cols, id_vals = [], [], [], [], []
+        known = list(rows.known)
+        for r in range(Bp):
             pages, p0, s0 = rows.pages[r], prev[r], seq[r]
             if s0 == p0:
                 continue
             first = p0
-            if cow[r]:
+            if cow[r] and alloc.ref_count(pages[p0 // ps]) > 1:
                 old = pages[p0 // ps]
                 (new,) = alloc.alloc(1)
                 pool.storage.copy_page_prefix(old, new, p0 % ps)
@@ -195,23 +322,46 @@ class PagedCache(Cache):
             if grow > 0:
                 pages.extend(alloc.alloc(grow))
             slots = [pages[i // ps] * ps + i % ps for i in range(first, s0)]
-            w_rows.extend([rows.req_rows[r]] * len(slots))
+            req_row = rows.req_rows[r]
+            w_rows.extend([req_row] * len(slots))
             w_cols.extend(range(first, s0))
             w_slots.extend(slots)
             new_slots.extend(slots[p0 - first :])
-            base = r * q + q - (s0 - p0)
+            base = r * group * q + q - (s0 - p0)
             src.extend(range(base, base + s0 - p0))
+            new_rows.extend([req_row] * (s0 - p0))
+            new_cols.extend(range(p0, s0))
+            prompt = self._prompt_ids[r] if self._prompt_ids is not None else None
+            if input_ids is not None:
+                known[r] = s0 if known[r] == p0 else known[r]
+            elif prompt is not None and s0 <= len(prompt) and known[r] == p0:
+                id_rows.extend([req_row] * (s0 - p0))
+                id_cols.extend(range(p0, s0))
+                id_vals.extend(prompt[p0:s0])
+                known[r] = s0
         dev = pool.req_to_token.device
+        table = pool.req_to_token
+
+        def as_index(values):
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
         if w_slots:
-            pool.req_to_token.write(
-                torch.tensor(w_rows, dtype=torch.long, device=dev),
-                torch.tensor(w_cols, dtype=torch.long, device=dev),
-                torch.tensor(w_slots, dtype=torch.long, device=dev),
-            )
-        slot_mapping = torch.tensor(new_slots, dtype=torch.long, device=dev)
-        all_real = len(src) == B * q
-        write_src = None if all_real else torch.tensor(src, dtype=torch.long, device=dev)
+            table.write(as_index(w_rows), as_index(w_cols), as_index(w_slots))
+        slot_mapping = as_index(new_slots)
+        write_src = None if len(src) == B * q else as_index(src)
+        if input_ids is not None and new_rows:
+            flat = input_ids.reshape(-1).to(dev)
+            table.write_ids(as_index(new_rows), as_index(new_cols), flat if write_src is None else flat[write_src])
+        elif id_rows:
+            table.write_ids(as_index(id_rows), as_index(id_cols), as_index(id_vals))
         self.logical_len = end
+        if group > 1:
+            self._pending_known = None
+            self._select_rows([r for r in range(Bp) for _ in range(group)])
+            known = [k for k in known for _ in range(group)]
+            prev = [p for p in prev for _ in range(group)]
+            seq = [s for s in seq for _ in range(group)]
+        self._pending_known = known
         return StepMetadata(
             q_len=q,
             prev_lens=prev,
@@ -266,6 +416,8 @@ class PagedCache(Cache):
         self._pending_q = 0
         self._step_layers.add(layer_idx)
         self._check_layer(layer_idx, key_states)
+        if self._pending_known is not None and len(self._step_layers) == self.num_layers:
+            self._rows.known, self._pending_known = self._pending_known, None  # every layer stored this step
         view = step.on(key_states.device)
         B, H, q, D = key_states.shape
         k = key_states.transpose(1, 2).reshape(B * q, H, D)
@@ -361,13 +513,15 @@ class PagedCache(Cache):
         self._select_rows(torch.as_tensor(indices).reshape(-1).tolist())
 
     def _select_rows(self, idx: list[int]) -> None:
-        self._step = None
+        self._step, self._pending_known = None, None
         rows, pool = self._rows, self.pool
         n_old = len(rows.req_rows)
         if self._num_pad is not None:
             bad = [i for i in idx if not -len(self._num_pad) <= i < len(self._num_pad)]
             if bad:
                 raise ValueError(f"row indices {bad} are out of range for a cache of {len(self._num_pad)} rows")
+            if self._prompt_ids is not None and len(self._prompt_ids) == len(self._num_pad):
+                self._prompt_ids = [self._prompt_ids[i] for i in idx]
             self._num_pad = [self._num_pad[i] for i in idx]
         if self._prompt_pads is not None and n_old == 0:
             self._prompt_pads = [self._prompt_pads[i] for i in idx]
@@ -377,22 +531,19 @@ class PagedCache(Cache):
         extra = pool.req_to_token.alloc(len(idx) - n_old) if len(idx) > n_old else []
         new_rows = (old_rows + extra)[: len(idx)]
         width = max(max(self.seq_lens, default=0), 1)
-        table = pool.req_to_token.table
-        dev = table.device
-        src = table[torch.tensor([old_rows[i] for i in idx], dtype=torch.long, device=dev), :width]
-        table[torch.tensor(new_rows, dtype=torch.long, device=dev), :width] = src
+        pool.req_to_token.copy_rows([old_rows[i] for i in idx], new_rows, width)
         new_pages = [list(rows.pages[i]) for i in idx]
         for pages in new_pages:
             pool.allocator.incref(pages)
         for pages in rows.pages:
             pool.allocator.decref(pages)
         pool.req_to_token.free(old_rows[len(idx):])
-        rows.req_rows, rows.pages = new_rows, new_pages
+        rows.req_rows, rows.pages, rows.known = new_rows, new_pages, [rows.known[i] for i in idx]
 
     def crop(self, max_length: int) -> None:
         """Drop the last ``-max_length`` columns (transformers 5.x: a count <= 0); a positive value keeps that
         many columns (transformers 4.x meaning)."""
-        self._step = None
+        self._step, self._pending_known = None, None
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)
         if keep >= self.logical_len:
             return
@@ -406,6 +557,7 @@ class PagedCache(Cache):
                 del pages[-(-n // ps):]
                 pool.allocator.decref(drop)
             pool.req_to_token.clear_from(rows.req_rows[r], n)
+            rows.known[r] = min(rows.known[r], n)
 
     def reset(self) -> None:
         """Empty the cache (pages go back to the pool); it can be used again."""
@@ -416,6 +568,9 @@ class PagedCache(Cache):
         self._rows.release()
         self.logical_len = 0
         self._num_pad = None
+        self._prompt_ids = None
+        self._first_step_planned = False
+        self._pending_known = None
         self._step = None
         self._step_layers = set()
         self._pending_q = 0
@@ -425,6 +580,16 @@ class PagedCache(Cache):
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _grouped(t: torch.Tensor | None, group: int) -> bool:
+    """Whether the rows of ``t`` come in runs of ``group`` identical rows (``repeat_interleave`` of a batch)."""
+    if t is None:
+        return True
+    if t.shape[0] % group:
+        return False
+    runs = t.reshape(t.shape[0] // group, group, -1)
+    return bool((runs == runs[:, :1]).all())
 
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:

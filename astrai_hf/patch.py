@@ -73,6 +73,7 @@ def patch(model: torch.nn.Module, pool: PagePool | None = None, **pool_kwargs) -
     elif pool_kwargs:
         raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
     pool.check_model(model)
+    pool.bind_model(model)
     attention.register()
 
     configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
@@ -155,13 +156,18 @@ def _wrap_forward(model, forward, state: PatchState):
             return forward(*args, **kwargs)
         if id(cache.pool) not in state.checked_pools:
             cache.pool.check_model(model)
+            cache.pool.bind_model(model)
             state.checked_pools.add(id(cache.pool))
-        inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         B, q = inputs.shape[:2]
         step = cache.plan_step(
-            B, q, position_ids=kwargs.get("position_ids"), attention_mask=kwargs.get("attention_mask"), paged=True
+            B,
+            q,
+            position_ids=kwargs.get("position_ids"),
+            attention_mask=kwargs.get("attention_mask"),
+            input_ids=input_ids,
+            paged=True,
         )
         cache._pending_q = q  # the model may ask get_seq_length() before any layer stores this step
         previous = [c._attn_implementation_internal for c in state.attn_configs]
@@ -195,10 +201,14 @@ def _wrap_generate(model, generate, state: PatchState):
         input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
         attention_mask = kwargs.get("attention_mask")
         pool = state.pool
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
             _check_length(input_ids, attention_mask, kwargs, config, pool)
+            if attention_mask is None:
+                attention_mask = _implied_mask(input_ids, kwargs, config)
+            elif attention_mask.shape != input_ids.shape:
+                input_ids = attention_mask = None  # only the new columns were passed; nothing to match
         else:
-            input_ids = None
+            input_ids = attention_mask = None
         cache = PagedCache(pool, input_ids, attention_mask)
         try:
             return generate(*args, **{**kwargs, state.cache_kwarg: cache})
@@ -206,6 +216,22 @@ def _wrap_generate(model, generate, state: PatchState):
             cache.release()
 
     return paged_generate
+
+
+def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor | None:
+    """The attention mask ``generate()`` will build for ``input_ids`` when none is passed, if it is all ones:
+    ``generate()`` infers padding from pad tokens only when the pad token occurs and is not an end-of-sequence
+    token. Returns None when padding may be inferred (the cache then reads it from the first forward)."""
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    ones = torch.ones_like(input_ids)
+    if pad is None:
+        return ones
+    pads = torch.as_tensor(pad).reshape(-1).tolist()
+    eos_ids = torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else []
+    if any(p in eos_ids for p in pads) or not torch.isin(input_ids, torch.as_tensor(pads, device=input_ids.device)).any():
+        return ones
+    return None
 
 
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> None:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from .allocator import PageAllocator
 from .config import KVSpec, PagePoolConfig
+from .errors import CacheFullError
+from .prefix_cache import PrefixCache
 from .req_to_token import ReqToTokenPool
 from .storage import TRASH_PAGE, KVStorage
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 32_768
 DEFAULT_MAX_REQS = 128
@@ -33,6 +40,8 @@ class PagePool:
         max_reqs: sequences alive at once across all caches on this pool (default 128).
         device: one device for every layer, or a sequence with one device per layer. Defaults to CPU.
         dtype: K/V dtype; defaults to the config's dtype, else float32.
+        prefix_cache: keep the full pages of finished sequences and reuse them for later prompts that start with
+            the same tokens (default True); see :mod:`astrai_hf.prefix_cache`.
 
     Raises:
         ValueError: a size is out of range or names what cannot be; ``TypeError``: a value of the wrong type.
@@ -49,6 +58,7 @@ class PagePool:
         max_reqs: int | None = None,
         device: str | torch.device | Sequence[str | torch.device] | None = None,
         dtype: torch.dtype | None = None,
+        prefix_cache: bool = True,
     ):
         spec = KVSpec.from_config(config)
         if isinstance(page_size, bool) or not isinstance(page_size, int):
@@ -78,7 +88,10 @@ class PagePool:
         self.allocator = PageAllocator(self.config.num_pages, first_page=TRASH_PAGE + 1)
         self.storage = KVStorage(self.config)
         self.req_to_token = ReqToTokenPool(max_reqs, max_seq_len, layer_devices[0])
-        self._counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "evictions": 0}
+        self.prefix_cache = PrefixCache(self.allocator, page_size) if prefix_cache else None
+        self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
+        self._model_ref = None
+        self._model_fingerprint: str | None = None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs) -> "PagePool":
@@ -94,7 +107,9 @@ class PagePool:
             kwargs["device"] = [_module_device(m) for m in layers]
         if "dtype" not in kwargs and layers:
             kwargs["dtype"] = _module_dtype(layers[0])
-        return cls(model.config, **kwargs)
+        pool = cls(model.config, **kwargs)
+        pool.bind_model(model)
+        return pool
 
     # ------------------------------------------------------------------ properties
     @property
@@ -142,27 +157,105 @@ class PagePool:
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict[str, int]:
-        """Counters of the pool.
+        """Counters of the pool, all ints.
 
         Returns:
-            ``num_pages`` (usable pages), ``num_free_pages``, ``num_used_pages``, ``num_cached_pages`` (pages kept
-            only by the prefix cache), ``prefix_query_tokens``, ``prefix_hit_tokens``, ``evictions``,
-            ``kv_bytes_used`` (bytes of the used pages, K and V, all layers), ``kv_bytes_total``, ``page_size``,
-            ``num_reqs_used``, ``max_reqs``.
+            - ``num_pages``: usable pages; ``num_free_pages + num_used_pages + num_cached_pages == num_pages``.
+            - ``num_free_pages``: pages nobody holds.
+            - ``num_used_pages``: pages held by live caches (0 after every ``generate()`` call returns).
+            - ``num_cached_pages``: pages held only by the prefix cache: reusable, and evicted (least recently used
+              first) when an allocation needs room.
+            - ``prefix_cache_pages``: pages the prefix cache indexes, including ones a live cache also holds.
+            - ``prefix_query_tokens``: prompt tokens looked up in the prefix cache so far.
+            - ``prefix_hit_tokens``: of those, tokens whose K/V was reused instead of computed.
+            - ``evictions``: pages evicted from the prefix cache so far.
+            - ``kv_bytes_used`` / ``kv_bytes_cached`` / ``kv_bytes_total``: bytes (K and V, all layers) of the used
+              pages, of the cached-only pages, of the whole pool.
+            - ``page_size``, ``num_reqs_used`` (request rows held), ``max_reqs``.
         """
-        used = self.allocator.num_used
+        cached = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        used = self.allocator.num_used - cached
+        per_page = self.config.bytes_per_page
         return {
             "num_pages": self.allocator.num_usable,
             "num_free_pages": self.allocator.num_free,
             "num_used_pages": used,
-            "num_cached_pages": 0,
-            **self._counters,
-            "kv_bytes_used": used * self.config.bytes_per_page,
-            "kv_bytes_total": self.allocator.num_usable * self.config.bytes_per_page,
+            "num_cached_pages": cached,
+            "prefix_cache_pages": len(self.prefix_cache) if self.prefix_cache is not None else 0,
+            **self.counters,
+            "evictions": self.prefix_cache.evictions if self.prefix_cache is not None else 0,
+            "kv_bytes_used": used * per_page,
+            "kv_bytes_cached": cached * per_page,
+            "kv_bytes_total": self.allocator.num_usable * per_page,
             "page_size": self.page_size,
             "num_reqs_used": self.config.max_reqs - self.req_to_token.num_free,
             "max_reqs": self.config.max_reqs,
         }
+
+    # ------------------------------------------------------------------ pages
+    def reserve(self, num_pages: int) -> None:
+        """Make ``num_pages`` pages free, evicting cached-only pages (LRU, tail first) if needed.
+
+        Raises:
+            CacheFullError: even after evicting every cached-only page fewer than ``num_pages`` are free; nothing
+                is evicted then.
+        """
+        free = self.allocator.num_free
+        if num_pages <= free:
+            return
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        if num_pages > free + evictable:
+            raise CacheFullError(num_pages, free, evictable)
+        self.prefix_cache.evict(num_pages - free)
+
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the pages dropped from the index."""
+        return self.prefix_cache.clear() if self.prefix_cache is not None else 0
+
+    # ------------------------------------------------------------------ the model the K/V belong to
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Record the model whose K/V this pool holds (done by ``from_model`` and ``patch``).
+
+        Cached prefixes are only valid for the weights that computed them: binding a model whose weights differ
+        from the previously bound model's clears the prefix cache.
+        """
+        current = self._model_ref() if self._model_ref is not None else None
+        if current is model:
+            return
+        from .persist import weights_fingerprint
+
+        digest = weights_fingerprint(model)
+        if self._model_fingerprint is not None and digest != self._model_fingerprint:
+            dropped = self.clear_prefix_cache()
+            logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
+        self._model_ref, self._model_fingerprint = weakref.ref(model), digest
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The bound model, if it is still alive."""
+        return self._model_ref() if self._model_ref is not None else None
+
+    def save_prefix_cache(self, path: str | Path, model: torch.nn.Module | None = None) -> int:
+        """Write every cached prefix page to a safetensors file (K/V per layer plus an index and a fingerprint of
+        the model in the header). See :func:`astrai_hf.persist.save_prefix_cache`.
+
+        Returns:
+            pages written.
+        """
+        from .persist import save_prefix_cache
+
+        return save_prefix_cache(self, path, model)
+
+    def load_prefix_cache(self, path: str | Path, model: torch.nn.Module | None = None) -> int:
+        """Load pages written by :meth:`save_prefix_cache` into this pool's prefix cache.
+        See :func:`astrai_hf.persist.load_prefix_cache`.
+
+        Returns:
+            pages loaded.
+        """
+        from .persist import load_prefix_cache
+
+        return load_prefix_cache(self, path, model)
 
     def __repr__(self) -> str:
         s = self.stats()

@@ -169,7 +169,8 @@ def test_cache_continues_across_forward_calls(llama):
         if patched:
             astrai_hf.patch(llama, pool=pool)
         try:
-            cache = PagedCache(pool, ids, mask)
+            cache = PagedCache(pool, ids, mask, prefix_cache=False)  # filled by hand below
+            assert cache.get_seq_length() == 0
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
             llama(input_ids=ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], **{_kw(llama): cache})
             out = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6, **{_kw(llama): cache})
