@@ -34,10 +34,11 @@ SPECS = {
 ARCHS = [name for name in SPECS if name != "falcon"]
 
 
-def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> T.PreTrainedModel:
-    """A 2-3 layer random model of ``arch`` with peaked logits (so greedy decoding has clear winners)."""
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> T.PreTrainedModel:
+    """A 2-3 layer random model of ``arch`` with peaked logits (so greedy decoding has clear winners).
+    ``overrides`` replace config fields (e.g. ``max_position_embeddings``)."""
     config_cls, model_cls, extra = SPECS[arch]
-    kwargs = {**_COMMON, **extra}
+    kwargs = {**_COMMON, **extra, **overrides}
     if arch == "gpt2":
         for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             kwargs.pop(k)

@@ -1,0 +1,395 @@
+"""Prefix cache: reuse across generate() calls is exact, collision-proof, evicts tail first and never leaks."""
+
+import inspect
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import astrai_hf
+import astrai_hf.prefix_cache as prefix_cache_module
+from astrai_hf import CacheFullError, PagedCache, PagePool
+from astrai_hf.allocator import PageAllocator
+from astrai_hf.prefix_cache import PrefixCache
+from tiny_models import PAD, VOCAB, left_padded_batch, tiny_model
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", max_position_embeddings=2048)
+
+
+def _pool(model, *, prefix_cache=True, max_tokens=4096, page_size=PAGE):
+    return PagePool.from_model(model, max_tokens=max_tokens, page_size=page_size, prefix_cache=prefix_cache)
+
+
+def _generate(model, pool, ids, mask, **kwargs):
+    astrai_hf.patch(model, pool=pool)
+    try:
+        return model.generate(ids, attention_mask=mask, **{"do_sample": False, **kwargs})
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def _kw(model):
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _hits(pool, fn):
+    before = pool.stats()["prefix_hit_tokens"]
+    out = fn()
+    return out, pool.stats()["prefix_hit_tokens"] - before
+
+
+def _tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g)
+
+
+def _batch(rows):
+    """Left-pad a list of 1-D token tensors: (input_ids, attention_mask)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _assert_pool_idle(pool):
+    s = pool.stats()
+    assert s["num_used_pages"] == 0 and s["num_reqs_used"] == 0
+    assert s["num_free_pages"] + s["num_used_pages"] + s["num_cached_pages"] == s["num_pages"]
+
+
+# ---------------------------------------------------------------------------------------------- index, unit level
+def test_index_chains_the_whole_prefix():
+    """Two prompts with different first pages and an identical second page must not share the second page."""
+    alloc = PageAllocator(9, first_page=1)
+    cache = PrefixCache(alloc, page_size=2)
+    a, b = [5, 6, 7, 8], [9, 9, 7, 8]
+    pages = alloc.alloc(2)
+    assert cache.insert(a, pages) == 2
+    alloc.decref(pages)
+    assert cache.match(b) == ([], 0)
+    assert cache.match(a) == (pages, 4)
+    assert cache.match([5, 6, 7, 1]) == (pages, 3)  # partial use of the second page
+    assert cache.match([5, 6]) == ([pages[0]], 2)
+
+
+def test_constant_hash_gives_no_false_hit(monkeypatch):
+    monkeypatch.setattr(prefix_cache_module, "page_key", lambda parent, tokens: b"collide")
+    alloc = PageAllocator(9, first_page=1)
+    cache = PrefixCache(alloc, page_size=2)
+    a, b = [5, 6, 7, 8], [9, 9, 7, 8]
+    pa = alloc.alloc(2)
+    cache.insert(a, pa)
+    assert cache.match(b) == ([], 0)
+    pb = alloc.alloc(2)
+    assert cache.insert(b, pb) == 2
+    assert cache.match(a) == (pa, 4) and cache.match(b) == (pb, 4)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Allocator plus prefix cache under random start / finish / evict sequences."""
+
+    PS, PAGES = 3, 14
+
+    def __init__(self):
+        super().__init__()
+        self.alloc = PageAllocator(self.PAGES + 1, first_page=1)
+        self.cache = PrefixCache(self.alloc, self.PS)
+        self.live: list[tuple[list[int], list[int]]] = []
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
+    def start(self, tokens):
+        ps = self.PS
+        pages, n = self.cache.match(tokens)
+        assert len(pages) == -(-n // ps) and n <= len(tokens)
+        for i, page in enumerate(pages):  # a hit's tokens equal the query prefix
+            held = self.cache._by_page[page].tokens
+            span = tokens[i * ps : min(n, (i + 1) * ps)]
+            assert list(held[: len(span)]) == span
+        self.alloc.incref(pages)  # lock before allocating
+        keep = pages[: n // ps]
+        if n % ps:
+            self.alloc.decref(pages[-1:])  # a partly used page is copied into a fresh one
+        need = -(-len(tokens) // ps) - len(keep)
+        free = self.alloc.num_free
+        if need > free + self.cache.num_evictable:
+            self.alloc.decref(keep)
+            return
+        locked = {p: self.alloc.ref_count(p) for s in self.live for p in s[1]}
+        locked.update({p: self.alloc.ref_count(p) for p in keep})
+        self.cache.evict(need - free)
+        for p, ref in locked.items():  # locked pages are never evicted
+            assert self.alloc.ref_count(p) >= ref
+        self.live.append((tokens, keep + self.alloc.alloc(need)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        tokens, pages = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+        self.cache.insert(tokens, pages)
+        self.alloc.decref(pages)
+
+    @rule(n=st.integers(1, 5))
+    def evict(self, n):
+        held = [p for _, pages in self.live for p in pages]
+        self.cache.evict(n)
+        assert all(self.alloc.ref_count(p) > 0 for p in held)
+
+    @invariant()
+    def pages_add_up(self):
+        used = {p for _, pages in self.live for p in pages}
+        cached_only = {p for p in self.cache._by_page if self.alloc.ref_count(p) == 1}
+        assert not used & cached_only
+        assert self.alloc.num_free + len(used) + len(cached_only) == self.alloc.num_usable
+
+    @invariant()
+    def tree_is_consistent(self):
+        seen = set()
+        for node in self.cache.nodes():
+            assert node.parent is self.cache.root or id(node.parent) in seen
+            assert len(node.tokens) == self.PS and self.alloc.ref_count(node.page) >= 1
+            seen.add(id(node))
+        assert len(seen) == len(self.cache)
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# ---------------------------------------------------------------------------------------------- through generate()
+@pytest.mark.parametrize("n", [63, 64, 65])
+def test_prompt_sent_twice(llama, n):
+    ids, mask = _batch([_tokens(n, seed=n)])
+    new = 8
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+    pool, cold = _pool(llama), _pool(llama, prefix_cache=False)
+    assert torch.equal(_generate(llama, cold, ids, mask, max_new_tokens=new), ref)
+    first, hit1 = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=new))
+    second, hit2 = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=new))
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    stored = n + new - 1  # the last generated token is never fed back
+    assert hit1 == 0 and hit2 == min(stored // PAGE * PAGE, n - 1)
+    _assert_pool_idle(pool)
+
+
+@pytest.mark.parametrize("n", [63, 64, 65])
+def test_prompt_sent_twice_unpatched(llama, n):
+    """Without patch(), PagedCache(pool, input_ids, attention_mask) matches too; the prompt's pages are kept."""
+    ids, mask = _batch([_tokens(n, seed=n)])
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+    pool = _pool(llama)
+    for call in range(2):
+        with PagedCache(pool, ids, mask) as cache:
+            assert cache.get_seq_length() == (0 if call == 0 else min(n // PAGE * PAGE, n - 1))
+            out = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5, **{_kw(llama): cache})
+        assert torch.equal(out, ref)
+    _assert_pool_idle(pool)
+
+
+def test_batch_of_warm_unrelated_and_diverging_prompts(llama):
+    a, c = _tokens(40, seed=1), _tokens(50, seed=2)
+    unrelated = _tokens(20, seed=3)
+    c_other = torch.cat([c[:37], _tokens(9, seed=4)])
+    pool = _pool(llama)
+    warm_ids, warm_mask = _batch([a, c])
+    _generate(llama, pool, warm_ids, warm_mask, max_new_tokens=4)
+    ids, mask = _batch([a, unrelated, c_other])
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=10)
+    out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=10))
+    assert torch.equal(out, ref)
+    # one cached length for the rectangle: it is capped by the unrelated row's padding (46 - 20 = 26 columns)
+    assert hit == (26 - 6) + 0 + 26
+    cold = _pool(llama, prefix_cache=False)
+    assert torch.equal(_generate(llama, cold, ids, mask, max_new_tokens=10), ref)
+    _assert_pool_idle(pool)
+
+
+def test_chat_turn_diverging_mid_page(llama):
+    pool = _pool(llama)
+    turn1 = _tokens(30, seed=5)
+    ids, mask = _batch([turn1])
+    out1 = _generate(llama, pool, ids, mask, max_new_tokens=20)  # stores 49 tokens: 3 full pages cached
+    assert pool.stats()["prefix_cache_pages"] == 3
+    turn2 = torch.cat([out1[0, :38], _tokens(10, seed=6)])  # diverges at token 38, inside page 2 (32..47)
+    ids2, mask2 = _batch([turn2])
+    ref = llama.generate(ids2, attention_mask=mask2, do_sample=False, max_new_tokens=12)
+    out2, hit = _hits(pool, lambda: _generate(llama, pool, ids2, mask2, max_new_tokens=12))
+    assert torch.equal(out2, ref)
+    assert hit == 38  # two full pages and 6 tokens of the third, copied into a fresh page
+    _assert_pool_idle(pool)
+
+
+def test_constant_hash_through_generate(llama, monkeypatch):
+    monkeypatch.setattr(prefix_cache_module, "page_key", lambda parent, tokens: b"collide")
+    second = _tokens(16, seed=7)
+    p1 = torch.cat([_tokens(16, seed=8), second, _tokens(5, seed=9)])
+    p2 = torch.cat([_tokens(16, seed=10), second, _tokens(5, seed=11)])
+    assert p1[0] != p2[0]
+    pool = _pool(llama)
+    for prompt in (p1, p2, p1, p2):
+        ids, mask = _batch([prompt])
+        ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+        out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=6))
+        assert torch.equal(out, ref)
+    assert hit == 32  # p2 again: its own pages, never p1's
+    _assert_pool_idle(pool)
+
+
+def test_num_return_sequences_store_the_prompt_once(llama):
+    prompt = _tokens(1000, seed=12)
+    ids, mask = _batch([prompt])
+    kwargs = dict(do_sample=True, num_return_sequences=8, max_new_tokens=8, top_k=0)
+    torch.manual_seed(0)
+    ref = llama.generate(ids, attention_mask=mask, **kwargs)
+    pool = _pool(llama)
+    peak = []
+    hook = llama.register_forward_hook(lambda *_: peak.append(pool.stats()["num_used_pages"]))
+    try:
+        torch.manual_seed(0)
+        out = _generate(llama, pool, ids, mask, **kwargs)
+    finally:
+        hook.remove()
+    assert torch.equal(out, ref)
+    prompt_pages = -(-1000 // PAGE)
+    # one copy of the prompt; each row copies only the partly filled tail page on its first write
+    assert max(peak) <= prompt_pages + 8
+    assert max(peak) * PAGE < 0.2 * 8 * (1000 + 7)
+    _assert_pool_idle(pool)
+
+
+def test_beam_search_reuses_and_shares(llama):
+    ids, mask = left_padded_batch([30, 21], seed=13)
+    kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=9)
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    pool = _pool(llama)
+    for _ in range(2):
+        assert torch.equal(_generate(llama, pool, ids, mask, **kwargs), ref)
+    assert pool.stats()["prefix_hit_tokens"] > 0
+    _assert_pool_idle(pool)
+
+
+def test_pool_pressure_raises_and_stays_consistent(llama):
+    pool = _pool(llama, max_tokens=20 * 4, page_size=4)  # 20 pages
+    for seed in range(3):
+        ids, mask = _batch([_tokens(20, seed=20 + seed)])
+        _generate(llama, pool, ids, mask, max_new_tokens=4)
+    assert pool.stats()["num_cached_pages"] > 0
+    ids, mask = left_padded_batch([40, 39], seed=14)  # 20 pages for the prompts alone, then more
+    with pytest.raises(CacheFullError) as err:
+        _generate(llama, pool, ids, mask, max_new_tokens=8)
+    assert err.value.needed > err.value.free + err.value.evictable
+    _assert_pool_idle(pool)
+    ids, mask = _batch([_tokens(30, seed=15)])
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    assert torch.equal(_generate(llama, pool, ids, mask, max_new_tokens=8), ref)  # fits after eviction
+    assert pool.stats()["evictions"] > 0
+    _assert_pool_idle(pool)
+
+
+_PREFIXES = [_tokens(n, seed=100 + n) for n in (5, 9, 14)]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 10**6)), min_size=1, max_size=3),
+            st.integers(1, 5),
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_random_calls_match_a_run_without_prefix_cache(llama, calls):
+    pool = _pool(llama, max_tokens=24 * 4, page_size=4)  # small enough to evict
+    cold = _pool(llama, prefix_cache=False, max_tokens=24 * 4, page_size=4)
+    for rows, new in calls:
+        prompts = [torch.cat([_PREFIXES[p], _tokens(extra, seed=s)]) for p, extra, s in rows]
+        ids, mask = _batch(prompts)
+        expected = _generate(llama, cold, ids, mask, max_new_tokens=new)
+        assert torch.equal(_generate(llama, pool, ids, mask, max_new_tokens=new), expected)
+        _assert_pool_idle(pool)
+
+
+# ---------------------------------------------------------------------------------------------- persistence
+_PERSIST_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, astrai_hf
+    sys.path.insert(0, {tests!r})
+    from tiny_models import tiny_model
+    from astrai_hf import PagePool
+    model = tiny_model("llama", max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 96, (1, 70), generator=g)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=16)
+    if sys.argv[1] == "load":
+        print("loaded", pool.load_prefix_cache(sys.argv[2]))
+    astrai_hf.patch(model, pool=pool)
+    out = model.generate(ids, do_sample=False, max_new_tokens=6)
+    print("hit", pool.stats()["prefix_hit_tokens"])
+    print("tokens", out[0, 70:].tolist())
+    if sys.argv[1] == "save":
+        print("saved", pool.save_prefix_cache(sys.argv[2]))
+    """
+)
+
+
+def test_save_then_load_in_a_new_process(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(_PERSIST_SCRIPT.format(tests=str(Path(__file__).parent)))
+    path = tmp_path / "prefix.safetensors"
+
+    def run(*args):
+        done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+
+    saved = run("save", str(path))
+    loaded = run("load", str(path))
+    assert saved["hit"] == "0" and int(saved["saved"]) == (70 + 5) // 16
+    assert int(loaded["loaded"]) == int(saved["saved"]) and int(loaded["hit"]) == 64
+    assert loaded["tokens"] == saved["tokens"]
+
+
+def test_load_refuses_another_model_or_page_size(llama, tmp_path):
+    pool = _pool(llama)
+    ids, mask = _batch([_tokens(40, seed=16)])
+    _generate(llama, pool, ids, mask, max_new_tokens=3)
+    path = tmp_path / "p.safetensors"
+    assert pool.save_prefix_cache(path) == 2
+    other = tiny_model("llama", seed=1, max_position_embeddings=2048)
+    with pytest.raises(ValueError, match="weights"):
+        PagePool.from_model(other, max_tokens=1024, page_size=PAGE).load_prefix_cache(path)
+    with pytest.raises(ValueError, match="page_size"):
+        PagePool.from_model(llama, max_tokens=1024, page_size=8).load_prefix_cache(path)
+    qwen = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="architecture"):
+        PagePool.from_model(qwen, max_tokens=1024, page_size=PAGE).load_prefix_cache(path)
+    fresh = _pool(llama)
+    assert fresh.load_prefix_cache(path) == 2 and fresh.load_prefix_cache(path) == 0  # already cached
+    with pytest.raises(FileNotFoundError):
+        fresh.load_prefix_cache(tmp_path / "missing.safetensors")
+
+
+def test_rebinding_a_pool_to_other_weights_drops_the_cache(llama):
+    pool = _pool(llama)
+    ids, mask = _batch([_tokens(40, seed=17)])
+    _generate(llama, pool, ids, mask, max_new_tokens=3)
+    assert pool.stats()["prefix_cache_pages"] == 2
+    other = tiny_model("llama", seed=2, max_position_embeddings=2048)
+    ref = other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    assert torch.equal(_generate(other, pool, ids, mask, max_new_tokens=3), ref)
+    assert pool.stats()["prefix_hit_tokens"] == 0
