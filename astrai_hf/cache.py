@@ -38,8 +38,7 @@ class _Rows:
             self.req_rows, self.pages, self.known = [], [], []
 
     def _insert_into_prefix_cache(self) -> None:
-        ps = self.pool.page_size
-        todo = [(r, n // ps * ps) for r, n in enumerate(self.known) if n >= ps]
+        todo = [(r, n) for r, n in enumerate(self.known) if n > 0]
         if not todo:
             return
         width = max(n for _, n in todo)
@@ -62,8 +61,9 @@ class PagedCache(Cache):
 
     Prefix cache: given the prompt, the cache looks each row up in the pool's prefix cache at once and starts
     pre-filled with the longest prefix every row has cached (``get_seq_length()`` then tells ``generate()`` to
-    compute only the rest; the last prompt token is always computed). When the cache is released, the full pages
-    of every row (prompt and generated tokens whose ids it saw) are offered to the prefix cache.
+    compute only the rest; the last prompt token is always computed). When the cache is released, the pages of
+    every row (prompt and generated tokens whose ids it saw, the partly filled tail page included) are offered to
+    the prefix cache.
 
     Args:
         pool: where the K/V go.

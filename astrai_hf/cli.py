@@ -70,17 +70,23 @@ def _demo(model, tokenizer, max_new_tokens) -> int:
     astrai_hf.patch(model, pool=pool)
     print(f"astrai-hf demo: {model.config.model_type}, {pool}\n")
     conversation, transcript = [], []
-    for turn in DEMO_TURNS:
+    for i, turn in enumerate(DEMO_TURNS, 1):
         conversation.append({"role": "user", "content": turn})
         inputs = _chat_inputs(tokenizer, [conversation])
+        before = pool.stats()
+        start = time.perf_counter()
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        elapsed = time.perf_counter() - start
         answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
         conversation.append({"role": "assistant", "content": answer})
         transcript.append(list(conversation[:-1]))
         print(f"user: {turn}\nassistant: {answer}")
         s = pool.stats()
-        print(f"  pool: {s['num_used_pages']} pages used of {s['num_pages']}, prefix hits "
-              f"{s['prefix_hit_tokens']}/{s['prefix_query_tokens']} tokens\n")
+        query = s["prefix_query_tokens"] - before["prefix_query_tokens"]
+        hit = s["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+        print(f"  turn {i}: prefix cache hit rate {hit}/{query} prompt tokens ({100 * hit / max(query, 1):.0f}%), "
+              f"{elapsed:.2f} s; pool: {s['num_used_pages']} pages used, {s['num_cached_pages']} cached, "
+              f"{s['num_free_pages']} free\n")
 
     # the same prompts as one left-padded batch, stock DynamicCache vs the patched PagedCache
     inputs = _chat_inputs(tokenizer, transcript)

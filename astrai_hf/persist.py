@@ -8,7 +8,7 @@ File layout (one ``.safetensors`` file)::
               fingerprint  JSON: architecture, model_type, num_layers, num_kv_heads, head_dim, dtype, page_size,
                            weights (a blake2b digest over every parameter's name, shape, dtype and a strided sample
                            of its values)
-              index    JSON list, parents before children: [parent_position or -1, [page_size token ids]]
+              index    JSON list, parents before children: [parent_position or -1, [token ids, page_size or fewer]]
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
             if parent is None:
                 continue
             tokens = tuple(tokens)
-            if len(tokens) != ps:
-                raise ValueError(f"{path}: entry {i} holds {len(tokens)} tokens, expected page_size={ps}")
+            if not 0 < len(tokens) <= ps:
+                raise ValueError(f"{path}: entry {i} holds {len(tokens)} tokens; page_size is {ps}")
             existing = cache.find(parent, tokens)
             if existing is not None:
                 nodes[i] = existing

@@ -1,7 +1,8 @@
 """Prefix cache: full pages of earlier sequences, found again by their token ids.
 
-A cached page is a node of a tree whose root is the empty prefix; a node holds ``page_size`` token ids and the page
-whose K/V those tokens produced after the tokens of all its ancestors. Nodes are indexed by a chained key,
+A cached page is a node of a tree whose root is the empty prefix; a node holds ``page_size`` token ids (fewer for
+the tail page of a finished sequence, always a leaf) and the page whose K/V those tokens produced after the tokens
+of all its ancestors. Nodes are indexed by a chained key,
 ``key = blake2b(parent_key + token_ids)`` (the chained block hash of vLLM's automatic prefix caching), and every hit
 is confirmed by comparing the parent node and the token ids themselves, so a hash collision can never make two
 different prefixes share K/V. The children of a node are kept too: they let a prompt that diverges in the middle of
@@ -140,24 +141,28 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ updates
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
-        """Index the full pages of one sequence.
+        """Index the pages of one finished sequence: its full pages, then its partly filled tail page.
+
+        A tail page is a leaf holding fewer than ``page_size`` tokens; it is only ever reused partly (copied into
+        a fresh page before anything is appended), and a later sibling that extends it replaces it.
 
         Args:
-            token_ids: the sequence's tokens; only ``len(token_ids) // page_size`` full pages are indexed.
+            token_ids: the sequence's tokens, in order.
             pages: the sequence's pages, ``pages[i]`` holding tokens ``[i * page_size, (i + 1) * page_size)``.
 
         Returns:
-            the number of pages newly indexed (a page whose prefix is already cached is skipped; the cached twin
-            stays).
+            the number of pages newly indexed (a page whose tokens are already cached under the same prefix is
+            skipped; the cached twin stays).
         """
         ps = self.page_size
         self._clock += 1
         tokens = tuple(int(t) for t in token_ids)
         node, added = self.root, 0
-        for i in range(min(len(tokens) // ps, len(pages))):
+        for i in range(min(-(-len(tokens) // ps), len(pages))):
             chunk = tokens[i * ps : (i + 1) * ps]
-            key = page_key(node.key, chunk)
-            found = self._child(node, chunk, key)
+            found = self._child(node, chunk, page_key(node.key, chunk))
+            if found is None and len(chunk) < ps:
+                found = next((c for c in node.children if c.tokens[: len(chunk)] == chunk), None)
             if found is None:
                 page = int(pages[i])
                 if page in self._by_page:  # cannot happen for a consistent row; never index a page twice
@@ -165,9 +170,22 @@ class PrefixCache:
                 self.allocator.incref([page])
                 found = self.attach(node, chunk, page)
                 added += 1
+                self._drop_covered_tails(node, found)
             found.last_access = self._clock
             node = found
         return added
+
+    def _drop_covered_tails(self, parent: _Node, new: _Node) -> None:
+        """Unindex cached-only tail pages of ``parent`` whose tokens are a prefix of ``new``'s."""
+        for sibling in list(parent.children):
+            if (
+                sibling is not new
+                and len(sibling.tokens) < len(new.tokens)
+                and new.tokens[: len(sibling.tokens)] == sibling.tokens
+                and not sibling.children
+                and self.allocator.ref_count(sibling.page) == 1
+            ):
+                self._remove(sibling)
 
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` pages held by the cache alone: least recently used leaves first.
