@@ -116,14 +116,20 @@ def run(model, tokenizer, *, new_tokens_b1: int = 64, new_tokens_b8: int = 32, s
     lengths8 = [round(64 * (1000 / 64) ** (i / 7)) for i in range(8)]
     batches = [("batch 1 (512-token prompt)", [512], new_tokens_b1),
                (f"batch 8 (prompts {min(lengths8)}-{max(lengths8)} tokens)", lengths8, new_tokens_b8)]
-    pool = PagePool.from_model(model, max_tokens=16_384, page_size=16)
+    # no prefix cache here: the N-token run would reuse the 1-token run's prompt and skew the difference
+    pool = PagePool.from_model(model, max_tokens=16_384, page_size=16, prefix_cache=False)
     rows = []
     for label, lengths, n in batches:
         ids, mask = mixed_prompts(tokenizer, lengths, seed)
         rows += measure(model, ids, mask, n, label, pool)
         if progress is not None:
             progress.update()
-    env = {
+    return rows, environment(model)
+
+
+def environment(model) -> dict:
+    """Versions, device, threads and dtype, for the header of a results table."""
+    return {
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
@@ -132,7 +138,6 @@ def run(model, tokenizer, *, new_tokens_b1: int = 64, new_tokens_b8: int = 32, s
         "machine": f"{platform.machine()}, {platform.python_version()}",
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
-    return rows, env
 
 
 def to_markdown(rows: list[Row], env: dict) -> str:

@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     bench = sub.add_parser("bench", help="decode tok/s and KV bytes: DynamicCache vs StaticCache vs PagedCache")
-    bench.add_argument("--out", type=Path, default=None, help="folder for bench.md and bench.json")
+    bench.add_argument("--out", type=Path, default=None, help="folder for the markdown tables and JSON")
+    bench.add_argument("--suite", choices=["decode", "prefix", "all"], default="all",
+                       help="decode: tok/s and KV bytes by cache; prefix: time to first token, chat and n samples "
+                            "with the prefix cache (default: both)")
     args = parser.parse_args(argv)
 
     from transformers.utils import logging as hf_logging
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(model, tokenizer, args.max_new_tokens)
     if args.command == "generate":
         return _generate(model, tokenizer, args.prompt, args.max_new_tokens, args.sample)
-    return _bench(model, tokenizer, args.out)
+    return _bench(model, tokenizer, args.out, args.suite)
 
 
 def _chat_inputs(tokenizer, conversations):
@@ -127,19 +130,30 @@ def _params(model):
     return inspect.signature(model.forward).parameters
 
 
-def _bench(model, tokenizer, out_dir) -> int:
+def _bench(model, tokenizer, out_dir, suite: str = "all") -> int:
     from tqdm.auto import tqdm
 
-    from .bench import run, to_markdown
+    from . import bench, bench_prefix
 
-    with tqdm(total=2, desc="bench", unit="batch") as bar:
-        rows, env = run(model, tokenizer, progress=bar)
-    table = to_markdown(rows, env)
-    print(table)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "bench.md").write_text(table)
-        (out_dir / "bench.json").write_text(json.dumps({"env": env, "rows": [r.__dict__ for r in rows]}, indent=2))
+    if suite in ("decode", "all"):
+        with tqdm(total=2, desc="bench decode", unit="batch") as bar:
+            rows, env = bench.run(model, tokenizer, progress=bar)
+        table = bench.to_markdown(rows, env)
+        print(table)
+        if out_dir is not None:
+            (out_dir / "bench.md").write_text(table)
+            (out_dir / "bench.json").write_text(json.dumps({"env": env, "rows": [r.__dict__ for r in rows]}, indent=2))
+    if suite in ("prefix", "all"):
+        with tqdm(total=3, desc="bench prefix", unit="part") as bar:
+            results = bench_prefix.run(model, tokenizer, progress=bar)
+        env = bench.environment(model)
+        table = bench_prefix.to_markdown(results, env)
+        print(table)
+        if out_dir is not None:
+            (out_dir / "prefix.md").write_text(table)
+            (out_dir / "prefix.json").write_text(json.dumps({"env": env, **bench_prefix.as_dict(results)}, indent=2))
     return 0
 
 

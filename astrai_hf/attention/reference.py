@@ -54,13 +54,15 @@ def paged_attention(
     mask, is_causal = view.mask(sliding_window)
     if groups > 1 and mask is None:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=is_causal, scale=scaling, enable_gqa=True)
-    elif groups > 1 and q == 1:
-        # One query token: fold the query heads of a KV group into the query axis, so K/V are read once per group.
-        packed = query.reshape(B, H_kv, groups, D)
+    elif groups > 1:
+        # Fold the query heads of a KV group into the query axis (the mask repeats per head), so K/V are read once
+        # per group instead of being copied `groups` times.
+        packed = query.reshape(B, H_kv, groups * q, D)
+        if q > 1:
+            mask = mask.expand(B, groups, q, T).reshape(B, 1, groups * q, T)
         out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
-        out = out.reshape(B, H, 1, D)
+        out = out.reshape(B, H, q, D)
     else:
-        keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling)
     return out.transpose(1, 2).contiguous()
 
