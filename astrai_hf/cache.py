@@ -372,6 +372,7 @@ class PagedCache(Cache):
             req_rows=torch.tensor(rows.req_rows, dtype=torch.long, device=dev),
             slot_mapping=slot_mapping,
             write_src=write_src,
+            group=group,
         )
 
     def _find_padding(self, B, q, position_ids, attention_mask) -> list[int]:

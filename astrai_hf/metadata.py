@@ -26,6 +26,13 @@ class StepMetadata:
         slot_mapping: [N] int64 on the table's device, destination slot of each real new token.
         write_src: [N] int64, index of each real new token in the flattened ``[B * q_len]`` input, or None when
             every column is real.
+        group: input rows per stored row: with ``group > 1`` runs of ``group`` identical input rows (a prompt
+            expanded for ``num_return_sequences`` / beams) share one stored row, and only the first row of each run
+            is written.
+        qo_lens: None for a rectangular step. For a *packed* step (see :meth:`pack`) the new tokens of each row,
+            which the query holds back to back as one sequence ``[1, sum(qo_lens)]`` (``qo_indptr`` is their
+            running sum, as in FlashInfer's ragged layout); rows, ``prev_lens`` and ``seq_lens`` then list only
+            the rows that have queries.
     """
 
     q_len: int
@@ -37,7 +44,75 @@ class StepMetadata:
     req_rows: torch.Tensor
     slot_mapping: torch.Tensor
     write_src: torch.Tensor | None
+    group: int = 1
+    qo_lens: list[int] | None = None
     _views: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.qo_lens is not None
+
+    @property
+    def qo_indptr(self) -> list[int]:
+        """[R + 1] host ints: where each row's queries start in a packed step (rectangular: multiples of q_len)."""
+        lens = self.qo_lens if self.qo_lens is not None else [self.q_len] * len(self.seq_lens)
+        out = [0]
+        for n in lens:
+            out.append(out[-1] + n)
+        return out
+
+    def pack(self) -> "StepMetadata":
+        """This step with its padding dropped: the real new tokens of every stored row back to back.
+
+        With ``group > 1`` only the first row of each run is kept. ``slot_mapping`` already lists the new tokens
+        row by row, so it is the packed order as it is.
+        """
+        g = self.group
+        prev, seq = self.prev_lens[::g], self.seq_lens[::g]
+        return StepMetadata(
+            q_len=sum(s - p for p, s in zip(prev, seq)),
+            prev_lens=prev,
+            seq_lens=seq,
+            logical_len=self.logical_len,
+            paged=True,
+            table=self.table,
+            req_rows=self.req_rows[::g],
+            slot_mapping=self.slot_mapping,
+            write_src=None,
+            qo_lens=[s - p for p, s in zip(prev, seq)],
+        )
+
+    def chunk(self, start: int, end: int) -> "StepMetadata":
+        """Packed tokens ``[start, end)`` of a packed step as a step of their own (chunked prefill).
+
+        Rows without a token in the range are left out; a row cut by ``start`` resumes where the previous chunk
+        stopped (its ``prev_lens`` counts the tokens of earlier chunks).
+        """
+        if self.qo_lens is None:
+            raise ValueError("only a packed step can be cut into chunks; call pack() first")
+        rows, prev, seq, lens = [], [], [], []
+        offset = 0
+        for r, n in enumerate(self.qo_lens):
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                rows.append(r)
+                prev.append(self.prev_lens[r] + lo - offset)
+                seq.append(self.prev_lens[r] + hi - offset)
+                lens.append(hi - lo)
+            offset += n
+        index = torch.tensor(rows, dtype=torch.long, device=self.req_rows.device)
+        return StepMetadata(
+            q_len=end - start,
+            prev_lens=prev,
+            seq_lens=seq,
+            logical_len=self.logical_len,
+            paged=True,
+            table=self.table,
+            req_rows=self.req_rows.index_select(0, index),
+            slot_mapping=self.slot_mapping[start:end],
+            write_src=None,
+            qo_lens=lens,
+        )
 
     @property
     def batch_size(self) -> int:
@@ -102,6 +177,26 @@ class DeviceView:
             first = (q - new)[:, None]
             self._q_index = torch.where(col >= first, prev[:, None] + col - first, -1).to(self.device)
         return self._q_index
+
+    def row_masks(self, sliding_window: int | None, *, need_explicit: bool = False) -> list:
+        """Packed step: per row, ``(mask, is_causal)`` for its ``qo_lens[r]`` queries over its ``seq_lens[r]`` keys,
+        mask [1, 1, n, T_r] bool or None (then ``is_causal`` tells whether a top-left causal mask is exact)."""
+        key = ("rows", sliding_window, need_explicit)
+        if key not in self._masks:
+            m, out = self.meta, []
+            for n, prev, seq in zip(m.qo_lens, m.prev_lens, m.seq_lens):
+                no_window = sliding_window is None or seq <= sliding_window
+                if prev == 0 and no_window and not need_explicit:
+                    out.append((None, n > 1))
+                    continue
+                qi = torch.arange(prev, seq, device=self.device)[:, None]
+                t = torch.arange(seq, device=self.device)[None, :]
+                allowed = t <= qi
+                if sliding_window is not None:
+                    allowed &= t > qi - sliding_window
+                out.append((allowed[None, None], False))
+            self._masks[key] = out
+        return self._masks[key]
 
     def mask(self, sliding_window: int | None, *, need_explicit: bool = False):
         """Attention mask for paged attention over ``[B, T]`` gathered keys.

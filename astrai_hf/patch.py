@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention
+from . import attention, packing
 from .cache import PagedCache, left_padding
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules
@@ -29,9 +29,19 @@ class PatchState:
     step: StepMetadata | None = None
     step_pool: PagePool | None = None
     checked_pools: set = field(default_factory=set)
+    packable: bool = False
+    pack_prefill: bool = False
+    prefill_chunk_tokens: int | None = None
 
 
-def patch(model: torch.nn.Module, pool: PagePool | None = None, **pool_kwargs) -> torch.nn.Module:
+def patch(
+    model: torch.nn.Module,
+    pool: PagePool | None = None,
+    *,
+    pack_prefill: bool = True,
+    prefill_chunk_tokens: int | None = None,
+    **pool_kwargs,
+) -> torch.nn.Module:
     """Route ``model.generate()`` and forwards with a :class:`PagedCache` through paged attention over a pool.
 
     After the call ``model.generate(...)`` without a cache argument uses a fresh ``PagedCache`` on
@@ -41,6 +51,14 @@ def patch(model: torch.nn.Module, pool: PagePool | None = None, **pool_kwargs) -
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``.
         pool: the pool to use; default ``PagePool.from_model(model, **pool_kwargs)``.
+        pack_prefill: run a left-padded prefill on its real tokens only, packed into one sequence (see
+            :mod:`astrai_hf.packing`), for the model families in ``astrai_hf.patches.PACKED_PREFILL``; other
+            families, and forwards that ask for hidden states or attentions of every position, run the padded
+            rectangle. Same tokens either way.
+        prefill_chunk_tokens: feed a prefill in pieces of at most this many (real) tokens, so a long prompt never
+            needs activations for all its tokens at once; None (default) feeds it whole. Uses the packed path, so
+            it applies to the families in ``PACKED_PREFILL`` (elsewhere use transformers' own
+            ``generate(..., prefill_chunk_size=...)``, which a PagedCache supports too).
         **pool_kwargs: sizing for the default pool (``max_tokens``, ``page_size``, ...).
 
     Returns:
@@ -51,11 +69,18 @@ def patch(model: torch.nn.Module, pool: PagePool | None = None, **pool_kwargs) -
             no attention modules with a ``layer_idx``.
         ValueError / TypeError: ``pool`` does not fit the model.
     """
+    if prefill_chunk_tokens is not None and (
+        isinstance(prefill_chunk_tokens, bool) or not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1
+    ):
+        raise ValueError(f"prefill_chunk_tokens must be a positive int or None, got {prefill_chunk_tokens!r}")
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
         if pool is not None:
             pool.check_model(model)
+            pool.bind_model(model)
             state.pool = pool
+        state.pack_prefill = pack_prefill
+        state.prefill_chunk_tokens = prefill_chunk_tokens
         return model
     modules = attention_modules(model)
     if not modules:
@@ -80,7 +105,14 @@ def patch(model: torch.nn.Module, pool: PagePool | None = None, **pool_kwargs) -
     if not configs:
         configs = [model.config]
     params = inspect.signature(model.forward).parameters
-    state = PatchState(pool=pool, cache_kwarg="cache" if "cache" in params else "past_key_values", attn_configs=configs)
+    state = PatchState(
+        pool=pool,
+        cache_kwarg="cache" if "cache" in params else "past_key_values",
+        attn_configs=configs,
+        packable=_packable(model),
+        pack_prefill=pack_prefill,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+    )
     state.checked_pools.add(id(pool))
     for name in ("forward", "generate"):
         if name in model.__dict__:
@@ -138,6 +170,14 @@ def _uses_attention_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
 
 
+def _packable(model) -> bool:
+    from . import patches
+
+    params = inspect.signature(model.forward).parameters
+    model_type = getattr(model.config, "model_type", None)
+    return model_type in patches.PACKED_PREFILL and "position_ids" in params and "logits_to_keep" in params
+
+
 def _find_cache(kwargs: dict):
     for name in ("cache", "past_key_values"):
         value = kwargs.get(name)
@@ -175,6 +215,10 @@ def _wrap_forward(model, forward, state: PatchState):
         for c in state.attn_configs:
             c._attn_implementation_internal = attention.ATTENTION_NAME
         try:
+            if state.packable and not args and packing.wants_packing(
+                model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=state.prefill_chunk_tokens
+            ):
+                return packing.packed_forward(forward, kwargs, cache, state, step, input_ids, state.prefill_chunk_tokens)
             return forward(*args, **kwargs)
         except BaseException:
             cache.crop(-q)  # roll the failed step back so the cache stays consistent

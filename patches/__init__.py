@@ -9,6 +9,13 @@ from __future__ import annotations
 
 FAMILIES: dict = {}
 
+# Families whose forward is position-wise outside attention (embeddings, norms, MLPs and positions depend only on
+# each token and its position_ids), so a prefill may be packed into one ragged sequence. Every entry is covered by
+# the packed-prefill tests; add a model_type here to opt another such family in.
+PACKED_PREFILL: set[str] = {
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "opt", "gpt_neox",
+}
+
 
 def apply(model, modules) -> list:
     """Apply the patch of ``model``'s family, if it has one. Returns the undo callables."""

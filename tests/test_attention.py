@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from astrai_hf.attention.reference import paged_attention
+from astrai_hf.attention.reference import packed_paged_attention, paged_attention
 from astrai_hf.metadata import StepMetadata
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -102,3 +102,30 @@ def test_fixed_cases_all_dtypes(dtype, prev, new):
     want = _naive(query, keys, values, q_index, 16**-0.5, None, None)
     real = (q_index >= 0)[:, :, None, None]
     torch.testing.assert_close(torch.where(real, got.float(), 0.0), torch.where(real, want, 0.0), **TOL[dtype])
+
+
+@settings(max_examples=80, deadline=None)
+@given(CASES, st.integers(1, 9))
+def test_packed_matches_rectangular(case, chunk):
+    """The packed (varlen) path equals the rectangular reference on the same rows, whole and cut into chunks."""
+    rows = [(p, max(n, 1)) for p, n in case["rows"]]
+    q = max(n for _, n in rows)
+    H_kv, D = 2, 8
+    H = H_kv * case["groups"]
+    prev, new = [p for p, _ in rows], [n for _, n in rows]
+    k_cache, v_cache, _, _, meta, q_index = _build(prev, new, q, H_kv, D, case["page_size"], torch.float32, case["seed"])
+    query = torch.randn(len(rows), H, q, D, generator=torch.Generator().manual_seed(case["seed"] + 1))
+    kw = dict(scaling=0.3, sliding_window=case["window"], softcap=case["softcap"])
+    want = paged_attention(query, k_cache, v_cache, meta, **kw)  # [B, q, H, D]
+    real = q_index >= 0
+    want_packed = want[real]  # [N, H, D], rows back to back
+    packed_query = query.transpose(1, 2)[real].transpose(0, 1)[None]  # [1, H, N, D]
+    packed = meta.pack()
+    got = packed_paged_attention(packed_query, k_cache, v_cache, packed, **kw)[0]
+    torch.testing.assert_close(got, want_packed, **TOL[torch.float32])
+    N = packed_query.shape[2]
+    parts = [
+        packed_paged_attention(packed_query[:, :, a : a + chunk], k_cache, v_cache, packed.chunk(a, min(a + chunk, N)), **kw)[0]
+        for a in range(0, N, chunk)
+    ]
+    torch.testing.assert_close(torch.cat(parts), want_packed, **TOL[torch.float32])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from .reference import paged_attention
+from .reference import packed_paged_attention, paged_attention
 
 ATTENTION_NAME = "astrai_paged"
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
@@ -32,7 +32,7 @@ def paged_attention_forward(
     ``key``/``value`` and ``attention_mask`` are ignored: K/V come from the pool, masking from the metadata.
 
     Returns:
-        ``(out [B, q_len, H, D], None)``.
+        ``(out [B, q_len, H, D], None)``; for a packed step ``(out [1, N, H, D], None)``.
 
     Raises:
         RuntimeError: called outside a patched forward with a PagedCache.
@@ -50,7 +50,8 @@ def paged_attention_forward(
             raise NotImplementedError(f"{type(module).__name__} passes `{name}`, which paged attention does not implement")
     layer = module.layer_idx
     storage = (state.step_pool or state.pool).storage
-    out = paged_attention(
+    attend = packed_paged_attention if meta.is_packed else paged_attention
+    out = attend(
         query, storage.k[layer], storage.v[layer], meta, scaling=scaling, sliding_window=sliding_window, softcap=softcap
     )
     return out, None

@@ -41,30 +41,75 @@ def paged_attention(
     """
     B, H, q, D = query.shape
     H_kv = k_cache.shape[1]
-    groups = H // H_kv
     view = meta.on(query.device)
     T = meta.max_len
     keys = k_cache.index_select(0, view.kv_slots).view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
     values = v_cache.index_select(0, view.kv_slots).view(B, T, H_kv, D).transpose(1, 2)
+    mask, is_causal = view.mask(sliding_window, need_explicit=softcap is not None)
+    return _attend(query, keys, values, mask, is_causal, scaling, softcap).transpose(1, 2).contiguous()
+
+
+def packed_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StepMetadata,
+    *,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed step (no padding anywhere): row ``r``'s ``qo_lens[r]`` queries, which continue
+    its ``prev_lens[r]`` cached tokens, attend to that row's own keys only (varlen attention with ``qo_indptr``).
+
+    Args:
+        query: [1, H, N, D] with ``N = sum(meta.qo_lens)``, rows back to back, after RoPE.
+        k_cache, v_cache: [num_slots, H_kv, D], one layer of the pool.
+        meta: a packed step (``meta.qo_lens`` set).
+        scaling, sliding_window, softcap: as for :func:`paged_attention`.
+
+    Returns:
+        [1, N, H, D], contiguous, in the query's dtype.
+    """
+    _, H, N, D = query.shape
+    H_kv = k_cache.shape[1]
+    view = meta.on(query.device)
+    slots = view.kv_slots.view(len(meta.seq_lens), meta.max_len)
+    masks = view.row_masks(sliding_window, need_explicit=softcap is not None)
+    out = query.new_empty(1, N, H, D)
+    start = 0
+    for r, (n, T) in enumerate(zip(meta.qo_lens, meta.seq_lens)):
+        row = slots[r, :T]
+        keys = k_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
+        values = v_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
+        mask, is_causal = masks[r]
+        part = _attend(query[:, :, start : start + n], keys, values, mask, is_causal, scaling, softcap)
+        out[:, start : start + n] = part.transpose(1, 2)
+        start += n
+    return out
+
+
+def _attend(query, keys, values, mask, is_causal, scaling, softcap) -> torch.Tensor:
+    """sdpa of query [B, H, q, D] over keys/values [B, H_kv, T, D] with mask [B, 1, q, T] or None; returns
+    [B, H, q, D]."""
+    B, H, q, D = query.shape
+    H_kv, T = keys.shape[1], keys.shape[2]
+    groups = H // H_kv
     if scaling is None:
         scaling = D**-0.5
     if softcap is not None:
-        mask, _ = view.mask(sliding_window, need_explicit=True)
         return _softcapped(query, keys, values, mask, scaling, softcap, groups)
-    mask, is_causal = view.mask(sliding_window)
     if groups > 1 and mask is None:
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=is_causal, scale=scaling, enable_gqa=True)
-    elif groups > 1:
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=is_causal, scale=scaling, enable_gqa=True)
+    if groups > 1:
         # Fold the query heads of a KV group into the query axis (the mask repeats per head), so K/V are read once
         # per group instead of being copied `groups` times.
         packed = query.reshape(B, H_kv, groups * q, D)
         if q > 1:
             mask = mask.expand(B, groups, q, T).reshape(B, 1, groups * q, T)
         out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
-        out = out.reshape(B, H, q, D)
-    else:
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling)
-    return out.transpose(1, 2).contiguous()
+        return out.reshape(B, H, q, D)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling)
 
 
 def _softcapped(query, keys, values, mask, scaling, softcap, groups):
@@ -73,7 +118,7 @@ def _softcapped(query, keys, values, mask, scaling, softcap, groups):
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, values).transpose(1, 2).contiguous()
+    return torch.matmul(probs, values)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Packed prefill: run a left-padded prefill on its real tokens only, as one ragged sequence.
+
+``generate()`` hands the model a rectangle ``[B, q]`` in which row ``r`` has ``q - n_r`` padding columns. A patched
+forward instead feeds ``[1, N]`` with ``N = sum(n_r)`` (each row's real tokens back to back, each with its own
+positions), paged attention keeps the rows apart with ``qo_indptr`` (varlen attention, the ragged layout of
+continuous-batching engines such as vLLM and FlashInfer), and only each row's last token goes through the LM head
+(``logits_to_keep`` as an index tensor). The logits come back as ``[B, 1, vocab]``, what ``generate()`` reads.
+Runs of identical rows (``num_return_sequences`` / beams) are computed once and their logits repeated.
+
+With ``prefill_chunk_tokens`` the packed sequence is fed in pieces of at most that many tokens, so a very long
+prompt never needs activations for all its tokens at once; pages for the whole prompt are allocated up front.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import StepMetadata
+
+_ALL_OUTPUTS = ("output_hidden_states", "output_attentions")
+
+
+def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_padding: bool,
+                  chunk_tokens: int | None) -> bool:
+    """Whether this forward (of a model whose family may be packed) can run packed and gains from it.
+
+    Packing needs: a multi-token step fed as ``input_ids`` by keyword; only the last position's logits asked for
+    (``logits_to_keep=1``, as ``generate()`` asks); no hidden states or attentions of every position asked for.
+    It gains when padding or duplicate rows would be dropped (``drop_padding``), or when the step is longer than
+    ``chunk_tokens``.
+    """
+    if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] < 2 or step.is_packed:
+        return False
+    if kwargs.get("logits_to_keep") != 1 or kwargs.get("return_dict") is False:
+        return False
+    config = model.config
+    for name in _ALL_OUTPUTS:
+        if kwargs.get(name) or (kwargs.get(name) is None and getattr(config, name, False)):
+            return False
+    if kwargs.get("inputs_embeds") is not None or kwargs.get("token_type_ids") is not None:
+        return False
+    B, q = input_ids.shape
+    real = sum(s - p for s, p in zip(step.seq_lens[:: step.group], step.prev_lens[:: step.group]))
+    return (drop_padding and real < B * q) or (chunk_tokens is not None and real > chunk_tokens)
+
+
+def packed_forward(forward, kwargs: dict, cache, state, step: StepMetadata, input_ids: torch.Tensor,
+                   chunk_tokens: int | None):
+    """Run the step ``step`` (already planned by ``cache``) packed, in chunks of at most ``chunk_tokens`` tokens.
+
+    Returns:
+        the last chunk's model output, with ``logits`` replaced by [B, 1, vocab]: each input row's logits at its
+        last real token.
+    """
+    B, q = input_ids.shape
+    g = step.group
+    packed = step.pack()
+    lens = torch.tensor(packed.qo_lens, device=input_ids.device)
+    keep = torch.arange(q, device=input_ids.device)[None, :] >= (q - lens)[:, None]  # [R, q] real columns
+    ids = input_ids[::g][keep][None]  # [1, N]: rows back to back
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(packed.prev_lens, packed.seq_lens)])
+        positions = positions.to(input_ids.device)[None]
+    else:
+        positions = positions.expand(B, q)[::g][keep][None]
+    N = ids.shape[1]
+    ends = packed.qo_indptr[1:]  # row r's last token sits at ends[r] - 1
+    chunk = chunk_tokens or N
+    logits, out = [], None
+    for start in range(0, N, chunk):
+        stop = min(start + chunk, N)
+        sub = packed.chunk(start, stop)
+        last = [e - 1 - start for e in ends if start < e <= stop]
+        cache._step, cache._step_layers = sub, set()
+        state.step = sub
+        out = forward(
+            **{
+                **kwargs,
+                "input_ids": ids[:, start:stop],
+                "position_ids": positions[:, start:stop],
+                "attention_mask": None,
+                "logits_to_keep": torch.tensor(last, dtype=torch.long, device=ids.device),
+            }
+        )
+        logits.append(out.logits[0])
+    rows = torch.cat(logits)  # [R, vocab], rows in order: every row ends in exactly one chunk
+    if g > 1:
+        rows = rows.repeat_interleave(g, dim=0)
+    out.logits = rows[:, None]
+    return out

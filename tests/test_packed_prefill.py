@@ -1,0 +1,165 @@
+"""Packed prefill: a left-padded prefill runs on its real tokens only, chunked on request, with unchanged output."""
+
+import pytest
+import torch
+
+import astrai_hf
+import astrai_hf.patches
+from astrai_hf import PagePool, packing
+from tiny_models import ARCHS, left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.equivalence
+
+PAGE = 16
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts packed forwards and the chunk sizes fed."""
+    calls = {"packed": 0, "chunks": []}
+    real = packing.packed_forward
+
+    def counting(forward, kwargs, cache, state, step, input_ids, chunk_tokens):
+        calls["packed"] += 1
+
+        def counted_forward(**kw):
+            calls["chunks"].append(kw["input_ids"].shape[1])
+            return forward(**kw)
+
+        return real(counted_forward, kwargs, cache, state, step, input_ids, chunk_tokens)
+
+    monkeypatch.setattr(packing, "packed_forward", counting)
+    return calls
+
+
+def _generate(model, ids, mask, *, prefix_cache=False, pool=None, **kwargs):
+    patch_kw = {k: kwargs.pop(k) for k in ("pack_prefill", "prefill_chunk_tokens") if k in kwargs}
+    pool = pool or PagePool.from_model(model, max_tokens=4096, page_size=PAGE, prefix_cache=prefix_cache)
+    astrai_hf.patch(model, pool=pool, **patch_kw)
+    try:
+        return model.generate(ids, attention_mask=mask, **{"do_sample": False, **kwargs})
+    finally:
+        astrai_hf.unpatch(model)
+        assert pool.stats()["num_used_pages"] == 0
+
+
+LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE + 3, 5]  # a row of one token, rows at page boundaries
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matrix_packed_equals_stock(arch, spy):
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch(LENGTHS, seed=1)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=7)
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=7), ref)
+    assert spy["packed"] == 1 and spy["chunks"] == [sum(LENGTHS)], "the prefill must run on real tokens only"
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=7, pack_prefill=False), ref)
+    assert spy["packed"] == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2", "gpt2"])
+@pytest.mark.parametrize("chunk", [1, 7, PAGE, 1000])
+def test_chunked_prefill(arch, chunk, spy):
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([23, 9, 40], seed=2)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=6, prefill_chunk_tokens=chunk), ref)
+    n = 23 + 9 + 40
+    assert spy["chunks"] == [min(chunk, n - a) for a in range(0, n, chunk)]
+
+
+def test_no_padding_runs_the_rectangle_unless_chunked(spy):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 12, 12], seed=3)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=5), ref)
+    assert spy["packed"] == 0  # nothing to drop
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=5, prefill_chunk_tokens=10), ref)
+    assert spy["chunks"] == [10, 10, 10, 6]
+
+
+def test_fallback_when_hidden_states_are_asked_for(spy):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 11], seed=4)
+    kwargs = dict(max_new_tokens=4, output_hidden_states=True, return_dict_in_generate=True)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    out = _generate(model, ids, mask, **kwargs)
+    assert spy["packed"] == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.hidden_states[0][-1].shape == ref.hidden_states[0][-1].shape  # every prompt position
+
+
+def test_fallback_for_a_family_not_known_to_be_position_wise(spy, monkeypatch):
+    monkeypatch.setattr(astrai_hf.patches, "PACKED_PREFILL", astrai_hf.patches.PACKED_PREFILL - {"llama"})
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 11], seed=5)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=4, prefill_chunk_tokens=4), ref)
+    assert spy["packed"] == 0
+
+
+def test_unpatched_model_is_untouched(spy):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 11], seed=6)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=PAGE)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    with astrai_hf.PagedCache(pool) as cache:
+        kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, **{kw: cache})
+    assert torch.equal(out, ref) and spy["packed"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sample", "beams"])
+def test_identical_rows_are_computed_once(mode, spy):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([9, 30], seed=7)
+    if mode == "sample":
+        kwargs = dict(do_sample=True, num_return_sequences=4, max_new_tokens=6)
+    else:
+        kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6)
+    torch.manual_seed(0)
+    ref = model.generate(ids, attention_mask=mask, **kwargs)
+    torch.manual_seed(0)
+    assert torch.equal(_generate(model, ids, mask, **kwargs), ref)
+    assert spy["chunks"] == [9 + 30]  # one copy of each prompt went through the model
+
+
+def test_packed_after_a_prefix_hit(spy):
+    model = tiny_model("llama", max_position_embeddings=512)
+    ids, mask = left_padded_batch([40, 45, 20], seed=8)
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=PAGE)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert torch.equal(_generate(model, ids, mask, pool=pool, max_new_tokens=6), ref)
+    hits = pool.stats()["prefix_hit_tokens"]
+    assert torch.equal(_generate(model, ids, mask, pool=pool, max_new_tokens=6, prefill_chunk_tokens=5), ref)
+    assert pool.stats()["prefix_hit_tokens"] - hits == 3 * 45 - 5 - 25 - 3  # one column recomputed per row
+    assert spy["chunks"] == [40 + 45 + 20]  # the second call's one-column prefill has no padding to drop
+
+
+def test_bad_chunk_size_is_refused():
+    model = tiny_model("llama")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+            astrai_hf.patch(model, prefill_chunk_tokens=bad)
+    assert not astrai_hf.is_patched(model)
+
+
+@pytest.mark.slow
+def test_embedded_model_packed_and_chunked(spy):
+    from astrai_hf.models import embedded_gguf, load_model
+
+    try:
+        embedded_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model, tokenizer = load_model()
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.",
+               "Explain in two sentences why the sky is blue, as if to a child who asks many questions.", "Hi"]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in prompts]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=24), ref)
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=24, prefill_chunk_tokens=PAGE), ref)
+    assert spy["packed"] == 2 and spy["chunks"][0] == int(mask.sum())
