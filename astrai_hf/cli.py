@@ -29,9 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     bench = sub.add_parser("bench", help="decode tok/s and KV bytes: DynamicCache vs StaticCache vs PagedCache")
     bench.add_argument("--out", type=Path, default=None, help="folder for the markdown tables and JSON")
-    bench.add_argument("--suite", choices=["decode", "prefix", "all"], default="all",
+    bench.add_argument("--suite", choices=["decode", "prefix", "prefill", "all"], default="all",
                        help="decode: tok/s and KV bytes by cache; prefix: time to first token, chat and n samples "
-                            "with the prefix cache (default: both)")
+                            "with the prefix cache; prefill: a mixed-length batch end to end, packed vs padded "
+                            "(default: all three)")
     args = parser.parse_args(argv)
 
     from transformers.utils import logging as hf_logging
@@ -133,7 +134,7 @@ def _params(model):
 def _bench(model, tokenizer, out_dir, suite: str = "all") -> int:
     from tqdm.auto import tqdm
 
-    from . import bench, bench_prefix
+    from . import bench, bench_prefill, bench_prefix
 
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -154,6 +155,15 @@ def _bench(model, tokenizer, out_dir, suite: str = "all") -> int:
         if out_dir is not None:
             (out_dir / "prefix.md").write_text(table)
             (out_dir / "prefix.json").write_text(json.dumps({"env": env, **bench_prefix.as_dict(results)}, indent=2))
+    if suite in ("prefill", "all"):
+        with tqdm(total=2 * 3, desc="bench prefill", unit="run") as bar:
+            results = bench_prefill.run(model, tokenizer, progress=bar)
+        env = bench.environment(model)
+        table = bench_prefill.to_markdown(results, env)
+        print(table)
+        if out_dir is not None:
+            (out_dir / "prefill.md").write_text(table)
+            (out_dir / "prefill.json").write_text(json.dumps({"env": env, **bench_prefill.as_dict(results)}, indent=2))
     return 0
 
 

@@ -65,8 +65,14 @@ class StepMetadata:
         """This step with its padding dropped: the real new tokens of every stored row back to back.
 
         With ``group > 1`` only the first row of each run is kept. ``slot_mapping`` already lists the new tokens
-        row by row, so it is the packed order as it is.
+        row by row, so it is the packed order as it is. Built once per step.
         """
+        packed = self._views.get("packed")
+        if packed is None:
+            packed = self._views["packed"] = self._pack()
+        return packed
+
+    def _pack(self) -> "StepMetadata":
         g = self.group
         prev, seq = self.prev_lens[::g], self.seq_lens[::g]
         return StepMetadata(
@@ -122,6 +128,59 @@ class StepMetadata:
     def max_len(self) -> int:
         """Longest row after this step, in tokens (at least 1)."""
         return max(max(self.seq_lens), 1)
+
+    def buckets(self, call_cost: int = 256, max_buckets: int = 4) -> list[tuple[list[int], "StepMetadata"]]:
+        """Rows split into groups of similar length, each with the metadata of its rows alone.
+
+        Gathering a ``[B, max_len]`` rectangle reads K/V for ``B * max_len`` slots; rows sorted by length and cut
+        into at most ``max_buckets`` runs read ``sum(rows_g * max_len_g)``. The cut minimises that plus
+        ``call_cost`` slots per extra run (one more gather and attention call). One bucket when no cut pays.
+        Built once per step.
+        """
+        found = self._views.get("buckets")
+        if found is not None:
+            return found
+        B = len(self.seq_lens)
+        order = sorted(range(B), key=lambda r: self.seq_lens[r])
+        lens = [max(self.seq_lens[r], 1) for r in order]
+        # best[k][j]: cheapest cost of the first j sorted rows in k runs; a run ending at row j - 1 costs n * lens[j - 1]
+        inf = float("inf")
+        best = [[inf] * (B + 1) for _ in range(max_buckets + 1)]
+        cut = [[0] * (B + 1) for _ in range(max_buckets + 1)]
+        best[0][0] = 0
+        for k in range(1, max_buckets + 1):
+            for j in range(1, B + 1):
+                for i in range(k - 1, j):
+                    c = best[k - 1][i] + (j - i) * lens[j - 1] + call_cost * (k > 1)
+                    if c < best[k][j]:
+                        best[k][j], cut[k][j] = c, i
+        k = min(range(1, max_buckets + 1), key=lambda k: best[k][B])
+        runs, j = [], B
+        while k:
+            i = cut[k][j]
+            runs.append(order[i:j])
+            j, k = i, k - 1
+        if len(runs) == 1:
+            found = [(list(range(B)), self)]
+        else:
+            found = [(sorted(rows), self.select(sorted(rows))) for rows in reversed(runs)]
+        self._views["buckets"] = found
+        return found
+
+    def select(self, rows: list[int]) -> "StepMetadata":
+        """The step restricted to ``rows`` (for attention only: ``slot_mapping`` is dropped)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.req_rows.device)
+        return StepMetadata(
+            q_len=self.q_len,
+            prev_lens=[self.prev_lens[r] for r in rows],
+            seq_lens=[self.seq_lens[r] for r in rows],
+            logical_len=self.logical_len,
+            paged=self.paged,
+            table=self.table,
+            req_rows=self.req_rows.index_select(0, index),
+            slot_mapping=self.slot_mapping[:0],
+            write_src=None,
+        )
 
     def on(self, device: torch.device) -> "DeviceView":
         """The step's index tensors on ``device`` (built once per device and step)."""
@@ -186,8 +245,8 @@ class DeviceView:
             m, out = self.meta, []
             for n, prev, seq in zip(m.qo_lens, m.prev_lens, m.seq_lens):
                 no_window = sliding_window is None or seq <= sliding_window
-                if prev == 0 and no_window and not need_explicit:
-                    out.append((None, n > 1))
+                if (prev == 0 or n == 1) and no_window and not need_explicit:
+                    out.append((None, prev == 0 and n > 1))  # one query sees every key; or plain causal
                     continue
                 qi = torch.arange(prev, seq, device=self.device)[:, None]
                 t = torch.arange(seq, device=self.device)[None, :]

@@ -50,11 +50,10 @@ def paged_attention_forward(
             raise NotImplementedError(f"{type(module).__name__} passes `{name}`, which paged attention does not implement")
     layer = module.layer_idx
     storage = (state.step_pool or state.pool).storage
-    attend = packed_paged_attention if meta.is_packed else paged_attention
-    out = attend(
-        query, storage.k[layer], storage.v[layer], meta, scaling=scaling, sliding_window=sliding_window, softcap=softcap
-    )
-    return out, None
+    kw = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap)
+    if meta.is_packed:
+        return packed_paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
+    return paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
 
 
 def register() -> None:

@@ -39,6 +39,15 @@ def paged_attention(
     Returns:
         [B, q_len, H, D], contiguous, in the query's dtype.
     """
+    buckets = meta.buckets()
+    if len(buckets) > 1:
+        # rows of very different lengths: attend per group of similar rows, each over its own narrower rectangle
+        out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        for rows, sub in buckets:
+            index = torch.tensor(rows, device=query.device)
+            out[index] = paged_attention(query.index_select(0, index), k_cache, v_cache, sub, scaling=scaling,
+                                         sliding_window=sliding_window, softcap=softcap)
+        return out
     B, H, q, D = query.shape
     H_kv = k_cache.shape[1]
     view = meta.on(query.device)
