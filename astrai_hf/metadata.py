@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# K/V slots one more gather-and-attend call is worth (see StepMetadata.buckets): about what a CPU reads in the
+# fixed cost of a call; 0 splits rows whenever it saves a slot
+BUCKET_CALL_COST = 256
+
 
 @dataclass(eq=False)
 class StepMetadata:
@@ -129,7 +133,7 @@ class StepMetadata:
         """Longest row after this step, in tokens (at least 1)."""
         return max(max(self.seq_lens), 1)
 
-    def buckets(self, call_cost: int = 256, max_buckets: int = 4) -> list[tuple[list[int], "StepMetadata"]]:
+    def buckets(self, call_cost: int | None = None, max_buckets: int = 4) -> list[tuple[list[int], "StepMetadata"]]:
         """Rows split into groups of similar length, each with the metadata of its rows alone.
 
         Gathering a ``[B, max_len]`` rectangle reads K/V for ``B * max_len`` slots; rows sorted by length and cut
@@ -140,6 +144,7 @@ class StepMetadata:
         found = self._views.get("buckets")
         if found is not None:
             return found
+        call_cost = BUCKET_CALL_COST if call_cost is None else call_cost
         B = len(self.seq_lens)
         order = sorted(range(B), key=lambda r: self.seq_lens[r])
         lens = [max(self.seq_lens[r], 1) for r in order]
@@ -200,7 +205,14 @@ class DeviceView:
         self._kv_slots = None
         self._rect_slots = None
         self._q_index = None
+        self._rows_index = None
         self._masks: dict = {}
+
+    def rows_index(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as an int64 tensor on this device, built once."""
+        if self._rows_index is None:
+            self._rows_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self._rows_index
 
     @property
     def kv_slots(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from astrai_hf.attention.reference import packed_paged_attention, paged_attention
+from astrai_hf import metadata
 from astrai_hf.metadata import StepMetadata
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -62,6 +63,7 @@ def _build(prev_lens, new_lens, q, H_kv, D, page_size, dtype, seed):
 
 
 CASES = st.fixed_dictionaries({
+    "split_rows": st.booleans(),  # force rows into length buckets (each with its own narrower gather)
     "rows": st.lists(st.tuples(st.integers(0, 20), st.integers(0, 6)), min_size=1, max_size=4),
     "groups": st.sampled_from([1, 3, 7]),
     "page_size": st.sampled_from([1, 3, 4, 16]),
@@ -84,8 +86,15 @@ def test_reference_matches_naive(case):
         [p for p, _ in rows], [n for _, n in rows], q, H_kv, D, case["page_size"], torch.float32, case["seed"]
     )
     query = torch.randn(len(rows), H, q, D, generator=torch.Generator().manual_seed(case["seed"] + 1))
-    got = paged_attention(query, k_cache, v_cache, meta, scaling=0.3, sliding_window=case["window"],
-                          softcap=case["softcap"])
+    saved = metadata.BUCKET_CALL_COST
+    metadata.BUCKET_CALL_COST = 0 if case["split_rows"] else saved
+    try:
+        if case["split_rows"] and len(set(meta.seq_lens)) > 1:
+            assert len(meta.buckets()) > 1
+        got = paged_attention(query, k_cache, v_cache, meta, scaling=0.3, sliding_window=case["window"],
+                              softcap=case["softcap"])
+    finally:
+        metadata.BUCKET_CALL_COST = saved
     want = _naive(query, keys, values, q_index, 0.3, case["window"], case["softcap"])
     real = (q_index >= 0)[:, :, None, None]
     torch.testing.assert_close(torch.where(real, got, 0.0), torch.where(real, want, 0.0), **TOL[torch.float32])

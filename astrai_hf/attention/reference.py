@@ -44,9 +44,12 @@ def paged_attention(
         # rows of very different lengths: attend per group of similar rows, each over its own narrower rectangle
         out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
         for rows, sub in buckets:
-            index = torch.tensor(rows, device=query.device)
-            out[index] = paged_attention(query.index_select(0, index), k_cache, v_cache, sub, scaling=scaling,
-                                         sliding_window=sliding_window, softcap=softcap)
+            kw = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap)
+            if rows[-1] - rows[0] + 1 == len(rows):  # a run of neighbouring rows: slices, no copies
+                out[rows[0] : rows[-1] + 1] = paged_attention(query[rows[0] : rows[-1] + 1], k_cache, v_cache, sub, **kw)
+            else:
+                index = sub.on(query.device).rows_index(rows)
+                out[index] = paged_attention(query.index_select(0, index), k_cache, v_cache, sub, **kw)
         return out
     B, H, q, D = query.shape
     H_kv = k_cache.shape[1]
