@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -10,6 +11,8 @@ from transformers import Cache
 from .errors import CacheFullError
 from .metadata import StepMetadata
 from .pool import PagePool
+
+logger = logging.getLogger(__name__)
 
 
 class _Rows:
@@ -163,6 +166,8 @@ class PagedCache(Cache):
         use = [max(0, logical - p) for p in pads]
         pool.counters["prefix_query_tokens"] += sum(len(ids) for ids in self._prompt_ids)
         self.prefix_hit_tokens = use
+        logger.debug("prefix cache: %d rows, reusing %s tokens (cached prefixes %s)", len(pads), use,
+                     [n for _, n in hits])
         if not any(use):
             return
         req_rows = pool.req_to_token.alloc(len(pads))
@@ -299,6 +304,8 @@ class PagedCache(Cache):
         try:
             pool.reserve(needed)
         except CacheFullError as e:
+            logger.info("KV pool full: a step of %d x %d tokens needs %d pages, %d free, %d evictable",
+                        B, q, e.needed, e.free, e.evictable)
             raise CacheFullError(
                 e.needed, e.free, e.evictable,
                 detail=f"{B} rows, step of {q} tokens, page_size={ps}, num_pages={alloc.num_usable}",

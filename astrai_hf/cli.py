@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    run = sub.add_parser("run", help="run an unmodified Python script with every generate() patched (zero-code)")
+    run.add_argument("--max-tokens", type=int, default=None, help="token capacity of each model's pool")
+    run.add_argument("--page-size", type=int, default=None, help="tokens per page")
+    run.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    run.add_argument("--report", action="store_true", help="print each patched model's pool statistics at the end")
+    run.add_argument("script", help="the script, run as __main__")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     bench = sub.add_parser("bench", help="decode tok/s and KV bytes: DynamicCache vs StaticCache vs PagedCache")
     bench.add_argument("--out", type=Path, default=None, help="folder for the markdown tables and JSON")
     bench.add_argument("--suite", choices=["decode", "prefix", "prefill", "all"], default="all",
@@ -34,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
                             "with the prefix cache; prefill: a mixed-length batch end to end, packed vs padded "
                             "(default: all three)")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        return _run_script(args)
 
     from transformers.utils import logging as hf_logging
 
@@ -46,6 +55,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(model, tokenizer, args.prompt, args.max_new_tokens, args.sample)
     return _bench(model, tokenizer, args.out, args.suite)
+
+
+def _run_script(args) -> int:
+    import os
+    import runpy
+
+    import astrai_hf.patches.autopatch as autopatch
+
+    env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
+           "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
+    os.environ.update({k: str(v) for k, v in env.items() if v is not None})
+    autopatch.install()
+    saved_argv = sys.argv
+    sys.argv = [args.script, *args.args]
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+        if args.report:
+            import astrai_hf
+
+            for model in autopatch.patched_models():
+                if astrai_hf.is_patched(model):
+                    print(f"astrai-hf: {type(model).__name__} {json.dumps(astrai_hf.get_pool(model).stats())}",
+                          file=sys.stderr)
+        autopatch.uninstall()
+    return 0
 
 
 def _chat_inputs(tokenizer, conversations):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +18,7 @@ from .metadata import StepMetadata
 from .pool import PagePool, attention_modules
 
 _STATE_ATTR = "_astrai_patch_state"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -125,6 +129,8 @@ def patch(
     model.forward = _wrap_forward(model, model.forward, state)
     model.generate = _wrap_generate(model, model.generate, state)
     setattr(model, _STATE_ATTR, state)
+    logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
+                "on" if state.packable and pack_prefill else "off")
     return model
 
 
@@ -142,7 +148,31 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         m.__dict__.pop(_STATE_ATTR, None)
     for undo in reversed(state.family_undo):
         undo()
+    logger.info("unpatched %s", type(model).__name__)
     return model
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> Iterator[torch.nn.Module]:
+    """``with astrai_hf.patched(model): ...``: :func:`patch` for the block, :func:`unpatch` when it is left,
+    also by an exception. A model that was already patched stays patched (and keeps its pool) on exit.
+
+    Args:
+        model, pool, kwargs: as for :func:`patch`.
+
+    Yields:
+        the patched model.
+    """
+    was_patched = is_patched(model)
+    previous = get_pool(model) if was_patched else None
+    patch(model, pool, **kwargs)
+    try:
+        yield model
+    finally:
+        if was_patched:
+            getattr(model, _STATE_ATTR).pool = previous
+        else:
+            unpatch(model)
 
 
 def get_pool(model: torch.nn.Module) -> PagePool:

@@ -206,6 +206,8 @@ class PagePool:
         evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
         if num_pages > free + evictable:
             raise CacheFullError(num_pages, free, evictable)
+        logger.debug("KV pool pressure: %d pages wanted, %d free; evicting %d cached prefix pages",
+                    num_pages, free, num_pages - free)
         self.prefix_cache.evict(num_pages - free)
 
     def clear_prefix_cache(self) -> int:

@@ -1,0 +1,89 @@
+"""Zero-code patching: route every ``generate()`` of an unmodified script through astrai-hf.
+
+:func:`install` wraps ``transformers.GenerationMixin.generate`` so that the first ``generate()`` call on a model
+patches that model (:func:`astrai_hf.patch`) and every call then runs through its paged pool. The script itself
+never imports astrai-hf. ``astrai-hf run script.py ARGS`` installs the hook and runs the script as ``__main__``;
+:func:`uninstall` removes it. Models whose attention cannot be patched (e.g. Falcon) keep stock ``generate()``,
+with a warning in the log.
+
+Pool settings come from :func:`install`'s arguments, or from the environment (``astrai-hf run`` fills it):
+``ASTRAI_HF_MAX_TOKENS``, ``ASTRAI_HF_PAGE_SIZE``, ``ASTRAI_HF_PREFIX_CACHE`` (``0`` turns the prefix cache off).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import weakref
+
+logger = logging.getLogger(__name__)
+
+_installed: dict = {}
+_models: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def settings_from_env(environ=None) -> dict:
+    """Pool keyword arguments read from ``ASTRAI_HF_*`` variables.
+
+    Raises:
+        ValueError: a variable is not an integer.
+    """
+    environ = os.environ if environ is None else environ
+    out = {}
+    for var, key in (("ASTRAI_HF_MAX_TOKENS", "max_tokens"), ("ASTRAI_HF_PAGE_SIZE", "page_size")):
+        if environ.get(var):
+            try:
+                out[key] = int(environ[var])
+            except ValueError:
+                raise ValueError(f"{var}={environ[var]!r} is not an integer") from None
+    if environ.get("ASTRAI_HF_PREFIX_CACHE", "1") == "0":
+        out["prefix_cache"] = False
+    return out
+
+
+def install(**pool_kwargs) -> None:
+    """Patch every model on its first ``generate()`` call (idempotent).
+
+    Args:
+        **pool_kwargs: sizing for each model's pool, as for :class:`astrai_hf.PagePool`; defaults come from
+            :func:`settings_from_env`.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    if "generate" in _installed:
+        return
+    settings = {**settings_from_env(), **pool_kwargs}
+    original = GenerationMixin.generate
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        import astrai_hf
+
+        # A patched model's own generate() (an instance attribute) comes back here for the stock loop.
+        if astrai_hf.is_patched(self) or self in _models:
+            return original(self, *args, **kwargs)
+        _models.add(self)
+        try:
+            astrai_hf.patch(self, **settings)
+        except NotImplementedError as e:
+            logger.warning("astrai-hf left %s unpatched: %s", type(self).__name__, e)
+            return original(self, *args, **kwargs)
+        return self.generate(*args, **kwargs)
+
+    _installed["generate"] = (GenerationMixin, original)
+    GenerationMixin.generate = generate
+    logger.info("astrai-hf auto-patch installed (%s)", settings or "default pool")
+
+
+def uninstall() -> None:
+    """Remove the hook; models it patched stay patched (``astrai_hf.unpatch`` them if needed)."""
+    entry = _installed.pop("generate", None)
+    if entry is not None:
+        cls, original = entry
+        cls.generate = original
+
+
+def patched_models() -> list:
+    """The models the hook has seen (patched, or left alone because they cannot be), oldest first."""
+    return list(_models)

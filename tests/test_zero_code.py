@@ -1,0 +1,129 @@
+"""Zero-code patching (``astrai-hf run``) and the ``patched(model)`` context manager."""
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import astrai_hf
+import astrai_hf.patches.autopatch as autopatch
+from astrai_hf.cli import main
+from tiny_models import left_padded_batch, tiny_model
+
+SCRIPT = textwrap.dedent(
+    """
+    # a user's script: it never imports astrai-hf
+    import sys
+    sys.path.insert(0, {tests!r})
+    from tiny_models import left_padded_batch, tiny_model
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9, 17], seed=1)
+    for _ in range(2):
+        print(model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6).tolist())
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "user_script.py"
+    path.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    return path
+
+
+def test_run_routes_an_unmodified_script_through_the_pool(script, capsys):
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert main(["run", "--page-size", "4", str(script)]) == 0
+    assert capsys.readouterr().out == done.stdout  # the same tokens
+    models = [m for m in autopatch.patched_models() if astrai_hf.is_patched(m)]
+    assert len(models) == 1
+    stats = astrai_hf.get_pool(models[0]).stats()  # from inside the process
+    assert stats["page_size"] == 4 and stats["num_used_pages"] == 0
+    assert stats["prefix_query_tokens"] == 2 * (5 + 9 + 17) and stats["prefix_hit_tokens"] > 0
+    from transformers.generation.utils import GenerationMixin
+
+    assert "autopatch" not in GenerationMixin.generate.__code__.co_filename  # uninstalled after the run
+    astrai_hf.unpatch(models[0])
+
+
+def test_run_command_in_a_fresh_process(script):
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "astrai_hf", "run", "--report", str(script)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == plain.stdout
+    report = [line for line in done.stderr.splitlines() if line.startswith("astrai-hf: LlamaForCausalLM")]
+    stats = json.loads(report[0].split(" ", 2)[2])
+    assert stats["prefix_query_tokens"] > 0 and stats["num_used_pages"] == 0
+
+
+def test_autopatch_leaves_unpatchable_models_alone(caplog):
+    model = tiny_model("falcon")
+    ids, mask = left_padded_batch([4, 6], seed=2)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    autopatch.install()
+    try:
+        with caplog.at_level("WARNING", logger="astrai_hf"):
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    finally:
+        autopatch.uninstall()
+    assert torch.equal(out, ref) and not astrai_hf.is_patched(model)
+    assert "left FalconForCausalLM unpatched" in caplog.text
+
+
+def test_settings_from_env():
+    env = {"ASTRAI_HF_MAX_TOKENS": "4096", "ASTRAI_HF_PAGE_SIZE": "8", "ASTRAI_HF_PREFIX_CACHE": "0"}
+    assert autopatch.settings_from_env(env) == {"max_tokens": 4096, "page_size": 8, "prefix_cache": False}
+    with pytest.raises(ValueError, match="ASTRAI_HF_PAGE_SIZE='big'"):
+        autopatch.settings_from_env({"ASTRAI_HF_PAGE_SIZE": "big"})
+
+
+def _logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("leave_by", ["return", "exception"])
+def test_patched_context_restores_the_model(leave_by):
+    model = tiny_model("qwen2")
+    twin = copy.deepcopy(model)
+    ids, mask = left_padded_batch([3, 8, 12], seed=3)
+    attn = model.config._attn_implementation
+    with pytest.raises(RuntimeError) if leave_by == "exception" else _nothing():
+        with astrai_hf.patched(model, max_tokens=512) as m:
+            assert m is model and astrai_hf.is_patched(model)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+            if leave_by == "exception":
+                raise RuntimeError("user code failed")
+    assert not astrai_hf.is_patched(model)
+    assert "generate" not in model.__dict__ and "forward" not in model.__dict__
+    assert model.config._attn_implementation == attn
+    assert torch.equal(_logits(model, ids, mask), _logits(twin, ids, mask))  # bit-identical
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=5)
+    assert torch.equal(model.generate(ids, **kw), twin.generate(ids, **kw))
+
+
+def test_patched_keeps_an_already_patched_model_patched():
+    model = tiny_model("llama")
+    pool = astrai_hf.PagePool.from_model(model, max_tokens=256)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        with astrai_hf.patched(model, pool=astrai_hf.PagePool.from_model(model, max_tokens=512)):
+            assert astrai_hf.get_pool(model) is not pool
+        assert astrai_hf.is_patched(model) and astrai_hf.get_pool(model) is pool
+    finally:
+        astrai_hf.unpatch(model)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
