@@ -49,7 +49,9 @@ def mixed_prompts(tokenizer, lengths: list[int], seed: int = 0) -> tuple[torch.T
     return input_ids, mask
 
 
-def _kv_bytes(cache) -> int:
+def kv_bytes(cache) -> int:
+    """Bytes of K and V a cache holds now: a PagedCache's pool pages in use; a DynamicCache's or StaticCache's
+    layer tensors."""
     if isinstance(cache, PagedCache):
         return cache.pool.stats()["kv_bytes_used"]
     total = 0
@@ -73,7 +75,7 @@ def _run(model, ids, mask, new_tokens: int, make_cache):
     out = model.generate(ids, **kwargs)
     elapsed = time.perf_counter() - start
     held = cache if cache is not None else (getattr(out, "cache", None) or getattr(out, "past_key_values", None))
-    nbytes = _kv_bytes(held)
+    nbytes = kv_bytes(held)
     if isinstance(cache, PagedCache):
         cache.release()
     return out.sequences, elapsed, nbytes

@@ -104,7 +104,7 @@ def _generate(model, tokenizer, prompt, max_new_tokens, sample) -> int:
 def _demo(model, tokenizer, max_new_tokens) -> int:
     import astrai_hf
 
-    from .bench import _kv_bytes
+    from .bench import kv_bytes
 
     pool = astrai_hf.PagePool.from_model(model, max_tokens=8192, page_size=16)
     astrai_hf.patch(model, pool=pool)
@@ -146,7 +146,7 @@ def _demo(model, tokenizer, max_new_tokens) -> int:
         out = model.generate(**inputs, **kwargs)
         elapsed = time.perf_counter() - start
         held = cache if cache is not None else (getattr(out, "cache", None) or getattr(out, "past_key_values", None))
-        results[name] = (out.sequences, elapsed, _kv_bytes(held))
+        results[name] = (out.sequences, elapsed, kv_bytes(held))
         if cache is not None:
             cache.release()
     astrai_hf.unpatch(model)
