@@ -1,7 +1,8 @@
 """``astrai-hf bench``: decode speed and KV memory of DynamicCache, StaticCache and patched PagedCache, side by side.
 
-Decode tokens/s is measured as ``B * (N - 1) / (t(N new tokens) - t(1 new token))``: the difference of two
-``generate()`` calls on the same prompts removes prefill time. KV bytes are what the cache holds when generation ends.
+Decode tokens/s is measured inside one ``generate()`` call: a streamer timestamps each step, and the speed is
+``B * (N - 1) / (t(last token) - t(first token))``, which leaves the prefill out. KV bytes are what the cache holds
+when generation ends.
 """
 
 from __future__ import annotations
@@ -62,9 +63,33 @@ def kv_bytes(cache) -> int:
     return total
 
 
-def _run(model, ids, mask, new_tokens: int, make_cache):
+class StepTimer:
+    """A ``generate()`` streamer that timestamps every step: ``times[0]`` when the first new token is out (end of
+    prefill), then one per decode step. Works at any batch size."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._calls = 0
+
+    def put(self, value) -> None:
+        self._calls += 1
+        if self._calls > 1:  # the first call carries the prompt
+            self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def decode_tok_s(self, batch: int) -> float:
+        """Tokens per second over the decode steps (after the first token)."""
+        steps = len(self.times) - 1
+        return batch * steps / max(self.times[-1] - self.times[0], 1e-9) if steps > 0 else float("nan")
+
+
+def _run(model, ids, mask, new_tokens: int, make_cache, timer: StepTimer | None = None):
     cache = make_cache()
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if timer is not None:
+        kwargs["streamer"] = timer
     if cache == "static":
         kwargs["cache_implementation"] = "static"
         cache = None
@@ -98,13 +123,13 @@ def measure(model, ids, mask, new_tokens: int, label: str, pool: PagePool) -> li
             patch(model, pool=pool)
         try:
             _run(model, ids[:, :8], mask[:, :8], 2, make)  # warm-up
-            _, t1, _ = _run(model, ids, mask, 1, make)
-            seqs, tn, nbytes = _run(model, ids, mask, new_tokens, make)
+            timer = StepTimer()
+            seqs, _, nbytes = _run(model, ids, mask, new_tokens, make, timer)
         finally:
             unpatch(model)
         if reference is None:
             reference = seqs
-        speed = ids.shape[0] * (new_tokens - 1) / max(tn - t1, 1e-9)
+        speed = timer.decode_tok_s(ids.shape[0])
         rows.append(Row(label, name, speed, nbytes, torch.equal(seqs, reference)))
     return rows
 

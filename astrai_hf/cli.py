@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     bench = sub.add_parser("bench", help="decode tok/s and KV bytes: DynamicCache vs StaticCache vs PagedCache")
     bench.add_argument("--out", type=Path, default=None, help="folder for the markdown tables and JSON")
+    bench.add_argument("--plot", type=Path, default=None, help="also draw the results side by side into this PNG")
     bench.add_argument("--suite", choices=["decode", "prefix", "prefill", "all"], default="all",
                        help="decode: tok/s and KV bytes by cache; prefix: time to first token, chat and n samples "
                             "with the prefix cache; prefill: a mixed-length batch end to end, packed vs padded "
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(model, tokenizer, args.max_new_tokens)
     if args.command == "generate":
         return _generate(model, tokenizer, args.prompt, args.max_new_tokens, args.sample)
-    return _bench(model, tokenizer, args.out, args.suite)
+    return _bench(model, tokenizer, args.out, args.suite, args.plot)
 
 
 def _run_script(args) -> int:
@@ -167,18 +168,20 @@ def _params(model):
     return inspect.signature(model.forward).parameters
 
 
-def _bench(model, tokenizer, out_dir, suite: str = "all") -> int:
+def _bench(model, tokenizer, out_dir, suite: str = "all", plot_path=None) -> int:
     from tqdm.auto import tqdm
 
     from . import bench, bench_prefill, bench_prefix
 
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+    collected = {}
     if suite in ("decode", "all"):
         with tqdm(total=2, desc="bench decode", unit="batch") as bar:
             rows, env = bench.run(model, tokenizer, progress=bar)
         table = bench.to_markdown(rows, env)
         print(table)
+        collected["decode"] = {"env": env, "rows": [r.__dict__ for r in rows]}
         if out_dir is not None:
             (out_dir / "bench.md").write_text(table)
             (out_dir / "bench.json").write_text(json.dumps({"env": env, "rows": [r.__dict__ for r in rows]}, indent=2))
@@ -188,6 +191,7 @@ def _bench(model, tokenizer, out_dir, suite: str = "all") -> int:
         env = bench.environment(model)
         table = bench_prefix.to_markdown(results, env)
         print(table)
+        collected["prefix"] = {"env": env, **bench_prefix.as_dict(results)}
         if out_dir is not None:
             (out_dir / "prefix.md").write_text(table)
             (out_dir / "prefix.json").write_text(json.dumps({"env": env, **bench_prefix.as_dict(results)}, indent=2))
@@ -197,9 +201,14 @@ def _bench(model, tokenizer, out_dir, suite: str = "all") -> int:
         env = bench.environment(model)
         table = bench_prefill.to_markdown(results, env)
         print(table)
+        collected["prefill"] = {"env": env, **bench_prefill.as_dict(results)}
         if out_dir is not None:
             (out_dir / "prefill.md").write_text(table)
             (out_dir / "prefill.json").write_text(json.dumps({"env": env, **bench_prefill.as_dict(results)}, indent=2))
+    if plot_path is not None:
+        from .plots import plot
+
+        print(f"chart: {plot(collected, plot_path)}")
     return 0
 
 

@@ -92,3 +92,16 @@ def _count_paged_attention_calls(monkeypatch):
 
     monkeypatch.setattr(attention, "paged_attention", counting)
     return calls
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam_search"])
+def test_falcon_unpatched_paged_cache_equals_dynamic_cache(mode):
+    """Falcon cannot be patched (its attention bypasses AttentionInterface), but a PagedCache still serves it."""
+    model = tiny_model("falcon")
+    ids, mask = left_padded_batch([7, 3, 10], seed=1)
+    ref = _generate(model, ids, mask, **MODES[mode])
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    with PagedCache(pool, ids, mask) as cache:
+        out = _generate(model, ids, mask, **MODES[mode], **{_cache_kwarg(model): cache})
+    assert torch.equal(out, ref)
+    assert pool.stats()["num_used_pages"] == 0
