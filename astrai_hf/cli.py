@@ -173,38 +173,33 @@ def _bench(model, tokenizer, out_dir, suite: str = "all", plot_path=None) -> int
 
     from . import bench, bench_prefill, bench_prefix
 
+    def decode(bar):
+        rows, env = bench.run(model, tokenizer, progress=bar)
+        return bench.to_markdown(rows, env), {"env": env, "rows": [r.__dict__ for r in rows]}
+
+    def prefix(bar):
+        results, env = bench_prefix.run(model, tokenizer, progress=bar), bench.environment(model)
+        return bench_prefix.to_markdown(results, env), {"env": env, **bench_prefix.as_dict(results)}
+
+    def prefill(bar):
+        results, env = bench_prefill.run(model, tokenizer, progress=bar), bench.environment(model)
+        return bench_prefill.to_markdown(results, env), {"env": env, **bench_prefill.as_dict(results)}
+
+    # suite: (runner, progress steps, file stem); the stems are what astrai_hf.plots.load_results reads
+    suites = {"decode": (decode, 2, "bench"), "prefix": (prefix, 3, "prefix"), "prefill": (prefill, 6, "prefill")}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     collected = {}
-    if suite in ("decode", "all"):
-        with tqdm(total=2, desc="bench decode", unit="batch") as bar:
-            rows, env = bench.run(model, tokenizer, progress=bar)
-        table = bench.to_markdown(rows, env)
+    for name, (runner, steps, stem) in suites.items():
+        if suite not in (name, "all"):
+            continue
+        with tqdm(total=steps, desc=f"bench {name}") as bar:
+            table, data = runner(bar)
         print(table)
-        collected["decode"] = {"env": env, "rows": [r.__dict__ for r in rows]}
+        collected[name] = data
         if out_dir is not None:
-            (out_dir / "bench.md").write_text(table)
-            (out_dir / "bench.json").write_text(json.dumps({"env": env, "rows": [r.__dict__ for r in rows]}, indent=2))
-    if suite in ("prefix", "all"):
-        with tqdm(total=3, desc="bench prefix", unit="part") as bar:
-            results = bench_prefix.run(model, tokenizer, progress=bar)
-        env = bench.environment(model)
-        table = bench_prefix.to_markdown(results, env)
-        print(table)
-        collected["prefix"] = {"env": env, **bench_prefix.as_dict(results)}
-        if out_dir is not None:
-            (out_dir / "prefix.md").write_text(table)
-            (out_dir / "prefix.json").write_text(json.dumps({"env": env, **bench_prefix.as_dict(results)}, indent=2))
-    if suite in ("prefill", "all"):
-        with tqdm(total=2 * 3, desc="bench prefill", unit="run") as bar:
-            results = bench_prefill.run(model, tokenizer, progress=bar)
-        env = bench.environment(model)
-        table = bench_prefill.to_markdown(results, env)
-        print(table)
-        collected["prefill"] = {"env": env, **bench_prefill.as_dict(results)}
-        if out_dir is not None:
-            (out_dir / "prefill.md").write_text(table)
-            (out_dir / "prefill.json").write_text(json.dumps({"env": env, **bench_prefill.as_dict(results)}, indent=2))
+            (out_dir / f"{stem}.md").write_text(table)
+            (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2))
     if plot_path is not None:
         from .plots import plot
 
