@@ -1,0 +1,278 @@
+"""Triton kernels for paged attention: K/V store, split-KV decode, and varlen prefill / extend.
+
+Each kernel has a plain torch twin in :mod:`astrai_hf.attention.reference` and is tested against it (on CPU under
+``TRITON_INTERPRET=1``, on GPU in ``tests/gpu``). Layout, as everywhere in astrai-hf::
+
+    k_cache, v_cache   [num_slots, H_kv, D]          one layer of the pool; slot = page * page_size + offset
+    req_to_token       [max_reqs, max_seq_len] int32  slot of token t of request row r
+
+Decode follows the split-KV ("flash-decoding") scheme of FlashDecoding (Dao et al., 2023) and SGLang's
+``decode_attention``: phase 1 gives every (row, KV head, split) a slice of the row's tokens and keeps an online
+softmax (running max, sum and weighted V) for the whole GQA group of query heads, so each K/V page is read once per
+group; phase 2 merges the splits. The launch grid depends only on the batch size, the head counts and a fixed
+number of splits, never on sequence lengths, which are read from device buffers: a captured CUDA graph can replay it
+as lengths grow.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DEFAULT_NUM_SPLITS = 8
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_elems, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, row_elems, BLOCK):
+        m = start + offs < row_elems
+        tl.store(k_cache_ptr + slot * row_elems + start + offs, tl.load(k_ptr + i * row_elems + start + offs, mask=m), mask=m)
+        tl.store(v_cache_ptr + slot * row_elems + start + offs, tl.load(v_ptr + i * row_elems + start + offs, mask=m), mask=m)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``k_cache[slot_mapping[i]] = key[i]`` (and V): key/value [N, H_kv, D] contiguous, slot_mapping [N] int."""
+    n = key.shape[0]
+    if n == 0:
+        return
+    row = key.shape[1] * key.shape[2]
+    _store_kv_kernel[(n,)](key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping, row,
+                           BLOCK=min(triton.next_power_of_2(row), 1024))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
+    mid_o_ptr, mid_lse_ptr,
+    scaling, softcap, window,
+    stride_table, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    row = tl.load(req_rows_ptr + b).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < D
+    q = tl.load(q_ptr + (b * H + heads)[:, None] * D + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(tl.float32)
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0)  # the query is token seq_len - 1; keys t > q - window
+    span = seq_len - first
+    per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + n
+        t_mask = t < hi
+        slots = tl.load(req_to_token_ptr + row * stride_table + t, mask=t_mask, other=0).to(tl.int64)
+        kv_off = (slots * H_KV + kv_head)[:, None] * D + d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [BLOCK_G, BLOCK_N]
+        if USE_SOFTCAP:
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    out_off = ((b * H + heads) * NUM_SPLITS + split)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(mid_o_ptr + out_off[:, None] * D + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(mid_lse_ptr + out_off, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + bh * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(s_mask & (lse > float("-inf")), tl.exp(lse - m), 0.0)
+    o = tl.load(mid_o_ptr + (bh * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :],
+                other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + bh * D + d, out, mask=d < D)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int = DEFAULT_NUM_SPLITS,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One query token per row over that row's paged keys ``0 .. seq_lens[b] - 1`` (the query is the last one).
+
+    Args:
+        query: [B, H, D], contiguous.
+        k_cache, v_cache: [num_slots, H_kv, D], contiguous; H a multiple of H_kv.
+        req_to_token: [max_reqs, max_seq_len] int32.
+        req_rows: [B] int, the table row of each batch row.
+        seq_lens: [B] int32 on the device, tokens per row including this step's (at least 1).
+        scaling: multiplier of ``q @ k``.
+        sliding_window: keys ``t > seq_len - 1 - sliding_window`` only, or None.
+        softcap: Gemma2 logit soft-capping, or None.
+        num_splits: KV splits per (row, KV head); fixed, so the grid never depends on lengths.
+        out: optional [B, H, D] float32 output buffer (fixed address for graph capture).
+        workspace: optional ``(mid_o [B, H, num_splits, D], mid_lse [B, H, num_splits])`` float32 scratch.
+
+    Returns:
+        [B, H, D] float32.
+    """
+    B, H, D = query.shape
+    H_kv = k_cache.shape[1]
+    group = H // H_kv
+    if out is None:
+        out = torch.empty(B, H, D, dtype=torch.float32, device=query.device)
+    if workspace is None:
+        workspace = (torch.empty(B, H, num_splits, D, dtype=torch.float32, device=query.device),
+                     torch.empty(B, H, num_splits, dtype=torch.float32, device=query.device))
+    mid_o, mid_lse = workspace
+    _decode_split_kernel[(B, H_kv, num_splits)](
+        query, k_cache, v_cache, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
+        float(scaling), float(softcap or 1.0), int(sliding_window or 0),
+        req_to_token.stride(0), H=H, H_KV=H_kv, D=D, GROUP=group, NUM_SPLITS=num_splits,
+        BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
+    )
+    _decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, D=D, NUM_SPLITS=num_splits,
+                                   BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
+                                   BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, qo_indptr_ptr, out_ptr,
+    scaling, softcap, window,
+    stride_table, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    q_start = tl.load(qo_indptr_ptr + b)
+    n_q = tl.load(qo_indptr_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    prev = seq_len - n_q
+    row = tl.load(req_rows_ptr + b).to(tl.int64)
+    kv_head = head // GROUP
+    i = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_mask = i < n_q
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    q = tl.load(q_ptr + ((q_start + i) * H + head)[:, None] * D + d[None, :], mask=i_mask[:, None] & d_mask[None, :],
+                other=0.0).to(tl.float32)
+    pos = prev + i  # token index of each query
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    last = tl.minimum(prev + (block + 1) * BLOCK_M, seq_len)  # causal: no key past the block's last query
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(prev + block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(first, last, BLOCK_N):
+        t = start + n
+        t_mask = t < last
+        slots = tl.load(req_to_token_ptr + row * stride_table + t, mask=t_mask, other=0).to(tl.int64)
+        kv_off = (slots * H_KV + kv_head)[:, None] * D + d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [BLOCK_M, BLOCK_N]
+        if USE_SOFTCAP:
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+        visible = t_mask[None, :] & (t[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (t[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + ((q_start + i) * H + head)[:, None] * D + d[None, :], o, mask=i_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_q_len: int,
+    *,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Prefill / extend: row ``b``'s packed queries ``qo_indptr[b] .. qo_indptr[b+1] - 1`` are its last tokens and
+    attend causally to its paged keys ``0 .. seq_lens[b] - 1`` (the cached prefix plus themselves, already stored).
+
+    Args:
+        query: [N, H, D] contiguous, rows back to back.
+        k_cache, v_cache, req_to_token, req_rows, seq_lens, scaling, sliding_window, softcap: as for
+            :func:`decode_attention`.
+        qo_indptr: [B + 1] int32 on the device.
+        max_q_len: the longest row's query count (sizes the grid; prefill is not graph-captured).
+
+    Returns:
+        [N, H, D] float32.
+    """
+    N, H, D = query.shape
+    H_kv = k_cache.shape[1]
+    B = req_rows.shape[0]
+    out = torch.zeros(N, H, D, dtype=torch.float32, device=query.device)
+    if N == 0:
+        return out
+    BLOCK_M = 16
+    grid = (B, H, triton.cdiv(max_q_len, BLOCK_M))
+    _extend_kernel[grid](
+        query, k_cache, v_cache, req_to_token, req_rows, seq_lens, qo_indptr, out,
+        float(scaling), float(softcap or 1.0), int(sliding_window or 0),
+        req_to_token.stride(0), H=H, H_KV=H_kv, D=D, GROUP=H // H_kv,
+        BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
+        USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
+    )
+    return out

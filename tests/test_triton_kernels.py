@@ -1,0 +1,98 @@
+"""Triton kernels against the torch reference, run by Triton's interpreter on CPU (``TRITON_INTERPRET=1``)."""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "1") != "1":
+    pytest.skip("interpreter tests on CPU tensors; the compiled kernels are tested in tests/gpu", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated: they run on CPU tensors
+pytest.importorskip("triton")
+
+from astrai_hf.attention import triton_kernels as tk  # noqa: E402
+from astrai_hf.attention.reference import packed_paged_attention, paged_attention  # noqa: E402
+from test_attention import _build  # noqa: E402
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+PAGE = 4
+
+DECODE_CASES = {
+    "one token": ([1], 1),
+    "page boundaries": ([PAGE - 1, PAGE, PAGE + 1, 2 * PAGE], 3),
+    "mixed lengths, MQA x7": ([1, 9, 30, 5], 7),
+    "GQA x3, long": ([45, 2], 3),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_reference(case, variant, num_splits):
+    seq, groups = DECODE_CASES[case]
+    H_kv, D = 2, 8
+    H = H_kv * groups
+    k_cache, v_cache, _, _, meta, _ = _build([s - 1 for s in seq], [1] * len(seq), 1, H_kv, D, PAGE, torch.float32, 7)
+    query = torch.randn(len(seq), H, 1, D, generator=torch.Generator().manual_seed(1))
+    kw = dict(scaling=0.35, sliding_window=5 if variant == "window" else None,
+              softcap=3.0 if variant == "softcap" else None)
+    want = paged_attention(query, k_cache, v_cache, meta, **kw)[:, 0]  # [B, H, D]
+    got = tk.decode_attention(query[:, :, 0].contiguous(), k_cache, v_cache, meta.table, meta.req_rows,
+                              torch.tensor(seq, dtype=torch.int32), num_splits=num_splits, **kw)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+EXTEND_CASES = {
+    "prefill from empty": ([0, 0], [5, PAGE + 1]),
+    "extend over a cached prefix": ([PAGE - 1, 7, 0], [2, PAGE, 9]),
+    "one token rows": ([3, 0], [1, 1]),
+    "long query": ([2], [33]),
+}
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+@pytest.mark.parametrize("groups", [1, 3, 7])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+def test_extend_matches_reference(case, groups, variant):
+    prev, new = EXTEND_CASES[case]
+    H_kv, D = 1, 8
+    H = H_kv * groups
+    q = max(new)
+    k_cache, v_cache, _, _, meta, _ = _build(prev, new, q, H_kv, D, PAGE, torch.float32, 3)
+    packed = meta.pack()
+    N = sum(new)
+    query = torch.randn(1, H, N, D, generator=torch.Generator().manual_seed(2))
+    kw = dict(scaling=0.3, sliding_window=4 if variant == "window" else None,
+              softcap=2.0 if variant == "softcap" else None)
+    want = packed_paged_attention(query, k_cache, v_cache, packed, **kw)[0]  # [N, H, D]
+    indptr = torch.tensor(packed.qo_indptr, dtype=torch.int32)
+    got = tk.extend_attention(query[0].transpose(0, 1).contiguous(), k_cache, v_cache, meta.table, meta.req_rows,
+                              torch.tensor(packed.seq_lens, dtype=torch.int32), indptr, max(new), **kw)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_store_kv_writes_slots():
+    k_cache = torch.zeros(12 * PAGE, 2, 8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([5, 17, 3, 40], dtype=torch.long)
+    k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    tk.store_kv(k, v, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k[slots], want_v[slots] = k, v
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_decode_grid_does_not_depend_on_lengths():
+    """The same launch serves growing lengths (what CUDA-graph replay needs): only the device buffers change."""
+    k_cache, v_cache, _, _, meta, _ = _build([9, 2], [1, 1], 1, 2, 8, PAGE, torch.float32, 5)
+    query = torch.randn(2, 4, 8)
+    out = torch.empty(2, 4, 8)
+    ws = (torch.empty(2, 4, 4, 8), torch.empty(2, 4, 4))
+    for lens in ([10, 3], [7, 1], [10, 1]):
+        seq = torch.tensor(lens, dtype=torch.int32)
+        tk.decode_attention(query, k_cache, v_cache, meta.table, meta.req_rows, seq, scaling=0.5, num_splits=4,
+                            out=out, workspace=ws)
+        sub = meta.select([0, 1])
+        sub.seq_lens, sub.prev_lens = list(lens), [n - 1 for n in lens]
+        want = paged_attention(query[:, :, None], k_cache, v_cache, sub, scaling=0.5)[:, 0]
+        torch.testing.assert_close(out, want, **TOL)
