@@ -25,7 +25,7 @@ class StepMetadata:
         logical_len: rectangle width after this step (``generate()``'s view of the cache length, padding included).
         paged: True when attention reads the pool (patched model); False when ``update()`` must hand stock
             attention rectangular K/V.
-        table: the pool's ``req_to_token`` table, [max_reqs, max_seq_len] int32.
+        table: the pool's ``req_to_token`` table, [max_reqs + 1, max_seq_len] int32 (the last row is the trash row).
         req_rows: [B] int64 on the table's device, the table row of each batch row.
         slot_mapping: [N] int64 on the table's device, destination slot of each real new token.
         write_src: [N] int64, index of each real new token in the flattened ``[B * q_len]`` input, or None when

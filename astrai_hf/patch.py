@@ -36,6 +36,8 @@ class PatchState:
     packable: bool = False
     pack_prefill: bool = False
     prefill_chunk_tokens: int | None = None
+    cuda_graphs: bool = False
+    runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
 
 
 def patch(
@@ -44,6 +46,7 @@ def patch(
     *,
     pack_prefill: bool = True,
     prefill_chunk_tokens: int | None = None,
+    cuda_graphs: bool | None = None,
     **pool_kwargs,
 ) -> torch.nn.Module:
     """Route ``model.generate()`` and forwards with a :class:`PagedCache` through paged attention over a pool.
@@ -63,6 +66,9 @@ def patch(
             needs activations for all its tokens at once; None (default) feeds it whole. Uses the packed path, so
             it applies to the families in ``PACKED_PREFILL`` (elsewhere use transformers' own
             ``generate(..., prefill_chunk_size=...)``, which a PagedCache supports too).
+        cuda_graphs: run decode steps through a :class:`~astrai_hf.graphs.DecodeGraphRunner` (one CUDA graph per
+            batch-size bucket over a fixed-address workspace). Default: on when the model is on a CUDA device. True
+            on a CPU runs the runner's eager stand-in (the same static-buffer path without graphs; for tests).
         **pool_kwargs: sizing for the default pool (``max_tokens``, ``page_size``, ...).
 
     Returns:
@@ -85,6 +91,7 @@ def patch(
             state.pool = pool
         state.pack_prefill = pack_prefill
         state.prefill_chunk_tokens = prefill_chunk_tokens
+        state.cuda_graphs = _wants_graphs(model, cuda_graphs)
         return model
     modules = attention_modules(model)
     if not modules:
@@ -116,6 +123,7 @@ def patch(
         packable=_packable(model),
         pack_prefill=pack_prefill,
         prefill_chunk_tokens=prefill_chunk_tokens,
+        cuda_graphs=_wants_graphs(model, cuda_graphs),
     )
     state.checked_pools.add(id(pool))
     for name in ("forward", "generate"):
@@ -148,6 +156,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         m.__dict__.pop(_STATE_ATTR, None)
     for undo in reversed(state.family_undo):
         undo()
+    for runner in state.runners.values():
+        runner.close()
     logger.info("unpatched %s", type(model).__name__)
     return model
 
@@ -200,6 +210,21 @@ def _uses_attention_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
 
 
+def _wants_graphs(model, cuda_graphs: bool | None) -> bool:
+    if cuda_graphs is None:
+        return any(p.is_cuda for p in model.parameters())
+    return bool(cuda_graphs)
+
+
+def _runner(model, forward, state: PatchState, pool: PagePool):
+    runner = state.runners.get(id(pool))
+    if runner is None:
+        from .graphs import DecodeGraphRunner
+
+        runner = state.runners[id(pool)] = DecodeGraphRunner(model, forward, pool)
+    return runner
+
+
 def _packable(model) -> bool:
     from . import patches
 
@@ -245,6 +270,10 @@ def _wrap_forward(model, forward, state: PatchState):
         for c in state.attn_configs:
             c._attn_implementation_internal = attention.ATTENTION_NAME
         try:
+            if state.cuda_graphs and not args:
+                runner = _runner(model, forward, state, cache.pool)
+                if runner.can_run(step, kwargs, input_ids):
+                    return runner.run(cache, step, kwargs, input_ids, state)
             if state.packable and not args and packing.wants_packing(
                 model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=state.prefill_chunk_tokens
             ):

@@ -15,16 +15,20 @@ class ReqToTokenPool:
     ``token_ids[req_idx, i]`` records the token id stored at that position where it is known (the prefix cache keys
     finished rows by it); entries past what a cache has recorded are meaningless.
 
+    Row ``trash_row`` (one past the last usable row) is never handed out and always points at the trash slot: batch
+    rows that only pad a fixed-size batch (graph buckets) read it.
+
     Args:
-        max_reqs: rows.
+        max_reqs: usable rows.
         max_seq_len: tokens per row.
         device: where the table lives (the first layer's device).
     """
 
     def __init__(self, max_reqs: int, max_seq_len: int, device: torch.device):
         self.max_reqs, self.max_seq_len, self.device = max_reqs, max_seq_len, device
-        self.table = torch.full((max_reqs, max_seq_len), TRASH_PAGE, dtype=torch.int32, device=device)
-        self.token_ids = torch.zeros((max_reqs, max_seq_len), dtype=torch.int32, device=device)
+        self.trash_row = max_reqs
+        self.table = torch.full((max_reqs + 1, max_seq_len), TRASH_PAGE, dtype=torch.int32, device=device)
+        self.token_ids = torch.zeros((max_reqs + 1, max_seq_len), dtype=torch.int32, device=device)
         self._free = list(range(max_reqs - 1, -1, -1))
 
     @property

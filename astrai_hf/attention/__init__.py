@@ -51,6 +51,10 @@ def paged_attention_forward(
     layer = module.layer_idx
     storage = (state.step_pool or state.pool).storage
     kw = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap)
+    if getattr(meta, "graph", False):
+        from ..graphs import graph_decode_attention
+
+        return graph_decode_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
     if meta.is_packed:
         return packed_paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
     return paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None

@@ -1,0 +1,220 @@
+"""DecodeGraphRunner: the decode step of a patched ``generate()`` replayed from a CUDA graph per batch-size bucket.
+
+A decode step (one new token per row) is captured once per *bucket* (1, 2, 4, 8, then steps of 8) over a
+:class:`DecodeWorkspace`: static, fixed-address buffers for everything that changes from step to step (input ids,
+positions, each row's ``req_to_token`` row, ``seq_lens``, ``slot_mapping``). A batch is padded up to its bucket; padded
+rows read and write only the trash page (slot 0). Graphs are captured lazily on first use, largest bucket first when
+warmed up, into one shared memory pool (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it
+cannot replay (several tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager.
+
+Attention inside a captured step reads lengths and page tables from the workspace only: the Triton split-KV decode
+kernel on CUDA (its grid never depends on lengths), else a static-shape torch path over the table's full width.
+
+Without CUDA (tests), the same runner works as a stand-in: "capture" runs the forward over the static buffers, and
+"replay" runs it again over the same buffers, so everything but the graph itself is exercised.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .attention.reference import _attend
+from .metadata import StepMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to ``max_batch`` (which is always the last bucket)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 8))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeWorkspace:
+    """Static per-step decode inputs for up to ``max_batch`` rows, allocated once at fixed addresses.
+
+    Attributes:
+        input_ids, position_ids: [max_batch, 1] int64.
+        req_rows: [max_batch] int64, the ``req_to_token`` row of each batch row (padded rows: ``pad_row``).
+        seq_lens: [max_batch] int32, tokens per row including this step's (padded rows: 1).
+        slot_mapping: [max_batch] int64, where each row's new K/V goes (padded rows: slot 0, the trash page).
+    """
+
+    def __init__(self, max_batch: int, pad_row: int, device: torch.device):
+        self.max_batch, self.pad_row, self.device = max_batch, pad_row, device
+        self.input_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+        self.req_rows = torch.full((max_batch,), pad_row, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=device)
+
+    def fill(self, step: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor | None, bucket: int) -> None:
+        """Copy one step's inputs in (non-blocking) and point rows ``B .. bucket - 1`` at the trash."""
+        B = input_ids.shape[0]
+        self.input_ids[:B].copy_(input_ids, non_blocking=True)
+        if position_ids is None:
+            position_ids = torch.tensor(step.prev_lens, dtype=torch.long).view(B, 1)
+        self.position_ids[:B].copy_(position_ids.expand(B, 1), non_blocking=True)
+        self.req_rows[:B].copy_(step.req_rows, non_blocking=True)
+        self.seq_lens[:B].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
+        self.slot_mapping[:B].copy_(step.slot_mapping, non_blocking=True)
+        if bucket > B:
+            self.input_ids[B:bucket].zero_()
+            self.position_ids[B:bucket].zero_()
+            self.req_rows[B:bucket].fill_(self.pad_row)
+            self.seq_lens[B:bucket].fill_(1)
+            self.slot_mapping[B:bucket].zero_()
+
+
+class GraphStep:
+    """The metadata a captured decode step hands to ``cache.update()`` and attention: views of the workspace."""
+
+    paged = True
+    is_packed = False
+    graph = True
+    write_src = None
+    group = 1
+
+    def __init__(self, workspace: DecodeWorkspace, bucket: int, table: torch.Tensor):
+        self.slot_mapping = workspace.slot_mapping[:bucket]
+        self.req_rows = workspace.req_rows[:bucket]
+        self.seq_lens_t = workspace.seq_lens[:bucket]
+        self.table = table
+        self.bucket = bucket
+
+    def on(self, device: torch.device) -> "GraphStep":
+        return self
+
+
+def graph_decode_attention(query, k_cache, v_cache, step: GraphStep, *, scaling, sliding_window, softcap):
+    """Decode attention reading only device buffers (capturable).
+
+    Args:
+        query: [B, H, 1, D]. Returns [B, 1, H, D] in the query's dtype.
+    """
+    B, H, _, D = query.shape
+    if scaling is None:
+        scaling = D**-0.5
+    if query.is_cuda:
+        try:
+            from .attention import triton_kernels
+        except ImportError:
+            triton_kernels = None
+        if triton_kernels is not None:
+            out = triton_kernels.decode_attention(
+                query[:, :, 0].contiguous(), k_cache, v_cache, step.table, step.req_rows, step.seq_lens_t,
+                scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+            )
+            return out.to(query.dtype)[:, None]
+    W = step.table.shape[1]
+    H_kv = k_cache.shape[1]
+    slots = step.table.index_select(0, step.req_rows).long().reshape(-1)  # [B * W]
+    keys = k_cache.index_select(0, slots).view(B, W, H_kv, D).transpose(1, 2)
+    values = v_cache.index_select(0, slots).view(B, W, H_kv, D).transpose(1, 2)
+    t = torch.arange(W, device=query.device)[None, :]
+    seq = step.seq_lens_t.long()[:, None]
+    allowed = t < seq
+    if sliding_window is not None:
+        allowed &= t >= seq - sliding_window
+    out = _attend(query, keys, values, allowed[:, None, None, :], False, scaling, softcap)
+    return out.transpose(1, 2).contiguous()
+
+
+class DecodeGraphRunner:
+    """Runs the decode steps of a patched model from per-bucket graphs over one :class:`DecodeWorkspace`.
+
+    Args:
+        model: the patched model; ``forward`` is its unwrapped forward.
+        pool: the pool whose ``req_to_token`` table and storage the graphs read (one runner per pool).
+        max_batch: the largest bucket (default: the pool's ``max_reqs``, at most 64).
+        use_cuda_graphs: capture real CUDA graphs (CUDA only); False gives the eager stand-in.
+    """
+
+    def __init__(self, model, forward, pool, *, max_batch: int | None = None, use_cuda_graphs: bool | None = None):
+        self.model, self.forward, self.pool = model, forward, pool
+        device = pool.config.layer_devices[0]
+        self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        if self.use_cuda_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, the pool is on {device}")
+        self.max_batch = max_batch or min(pool.config.max_reqs, 64)
+        self.buckets = bucket_sizes(self.max_batch)
+        # padded rows read the table's trash row (every entry slot 0) and write slot 0
+        self.workspace = DecodeWorkspace(self.max_batch, pool.req_to_token.trash_row, device)
+        self.graphs: dict[int, object] = {}
+        self._mempool = None
+        self.replays = 0  # decode steps run through the runner
+        self.captured: list[int] = []  # buckets captured, in order
+
+    def close(self) -> None:
+        """Drop the graphs and the workspace."""
+        self.workspace, self.graphs = None, {}
+
+    def bucket_for(self, batch: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def can_run(self, step: StepMetadata, kwargs: dict, input_ids) -> bool:
+        """A one-token-per-row step of a plain forward that fits a bucket."""
+        if self.workspace is None or input_ids is None or input_ids.shape[1] != 1 or step.is_packed:
+            return False
+        if step.group != 1 or self.bucket_for(input_ids.shape[0]) is None:
+            return False
+        if any(kwargs.get(k) for k in ("output_hidden_states", "output_attentions")) or kwargs.get("logits_to_keep") != 1:
+            return False
+        return all(s - p == 1 for s, p in zip(step.seq_lens, step.prev_lens))
+
+    def run(self, cache, step: StepMetadata, kwargs: dict, input_ids: torch.Tensor, state):
+        """Run one decode step through the bucket's graph; returns the model output with this step's logits
+        ([B, 1, vocab], a fresh tensor the next replay does not touch) and ``cache``."""
+        B = input_ids.shape[0]
+        bucket = self.bucket_for(B)
+        ws = self.workspace
+        ws.fill(step, input_ids, kwargs.get("position_ids"), bucket)
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self.graphs[bucket] = self._capture(bucket, cache, kwargs, state)
+            self.captured.append(bucket)
+        graph, static_out, gstep = entry
+        if graph is not None:
+            graph.replay()
+            out = static_out
+        else:  # stand-in: run the forward again over the same static buffers
+            out = self._forward(bucket, cache, kwargs, state, gstep)
+        self.replays += 1
+        if cache._pending_known is not None:  # every layer stored this step (a replay runs no Python)
+            cache._rows.known, cache._pending_known = cache._pending_known, None
+        result = out.__class__(**{k: v for k, v in out.items()})
+        result["logits"] = out["logits"][:B].clone()
+        for name in ("cache", "past_key_values"):
+            if name in result:
+                result[name] = cache
+        return result
+
+    def _forward(self, bucket: int, cache, kwargs: dict, state, gstep: GraphStep):
+        ws = self.workspace
+        state.step, cache._step, cache._step_layers = gstep, gstep, set()
+        args = {k: v for k, v in kwargs.items() if k not in ("input_ids", "position_ids", "attention_mask")}
+        return self.forward(input_ids=ws.input_ids[:bucket], position_ids=ws.position_ids[:bucket],
+                            attention_mask=None, **args)
+
+    def _capture(self, bucket: int, cache, kwargs: dict, state):
+        gstep = GraphStep(self.workspace, bucket, self.pool.req_to_token.table)
+        if not self.use_cuda_graphs:
+            logger.debug("decode runner: bucket %d ready (eager stand-in)", bucket)
+            return None, None, gstep
+        import time
+
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
+            self._forward(bucket, cache, kwargs, state, gstep)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            static_out = self._forward(bucket, cache, kwargs, state, gstep)
+        logger.info("decode runner: captured bucket %d in %.3f s", bucket, time.perf_counter() - start)
+        return graph, static_out, gstep

@@ -1,0 +1,139 @@
+"""DecodeGraphRunner on the CPU stand-in (replay = the captured forward run again over the same static buffers):
+decode through the runner equals eager decode token for token."""
+
+import pytest
+import torch
+
+import astrai_hf
+from astrai_hf import PagePool
+from astrai_hf.graphs import bucket_sizes
+from tiny_models import left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.equivalence
+
+
+def _runner(model):
+    state = model._astrai_patch_state
+    (runner,) = state.runners.values()
+    return runner
+
+
+def _generate(model, ids, mask, *, graphs, pool=None, seed=0, **kwargs):
+    pool = pool or PagePool.from_model(model, max_tokens=4096, page_size=4, prefix_cache=False)
+    astrai_hf.patch(model, pool=pool, cuda_graphs=graphs)
+    try:
+        torch.manual_seed(seed)
+        out = model.generate(ids, attention_mask=mask, **kwargs)
+        runner = _runner(model) if graphs else None
+        return out, runner
+    finally:
+        astrai_hf.unpatch(model)
+        assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+
+
+def test_buckets():
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_sizes(3) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beams"])
+def test_runner_equals_eager(arch, mode):
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([5, 1, 12], seed=1)
+    kwargs = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_k=10),
+              "beams": dict(do_sample=False, num_beams=2)}[mode]
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=9, **kwargs) if mode != "sample" else None
+    eager, _ = _generate(model, ids, mask, graphs=False, max_new_tokens=9, **kwargs)
+    out, runner = _generate(model, ids, mask, graphs=True, max_new_tokens=9, **kwargs)
+    assert torch.equal(out, eager)
+    if ref is not None:
+        assert torch.equal(out, ref)
+    assert runner.replays == 8  # every decode step went through the runner
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
+def test_batch_sizes_padded_to_buckets(batch):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([1 + (3 * r) % 11 for r in range(batch)], seed=batch)
+    eager, _ = _generate(model, ids, mask, graphs=False, do_sample=False, max_new_tokens=5)
+    out, runner = _generate(model, ids, mask, graphs=True, do_sample=False, max_new_tokens=5)
+    assert torch.equal(out, eager)
+    assert runner.captured == [min(b for b in runner.buckets if b >= batch)]
+
+
+def test_batch_of_8_then_3_and_static_addresses():
+    model = tiny_model("qwen3")
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=4, prefix_cache=False)
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        results = []
+        for lengths in ([9, 3, 14, 1, 6, 8, 2, 11], [4, 13, 7], [9, 3, 14, 1, 6, 8, 2, 11]):
+            ids, mask = left_padded_batch(lengths, seed=len(lengths))
+            ws = _runner(model).workspace if results else None
+            before = None if ws is None else [t.data_ptr() for t in (ws.input_ids, ws.position_ids, ws.req_rows,
+                                                                    ws.seq_lens, ws.slot_mapping)]
+            results.append((ids, mask, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6)))
+            ws = _runner(model).workspace
+            if before is not None:
+                assert before == [t.data_ptr() for t in (ws.input_ids, ws.position_ids, ws.req_rows, ws.seq_lens,
+                                                         ws.slot_mapping)]
+        assert _runner(model).captured == [8, 4]
+    finally:
+        astrai_hf.unpatch(model)
+    for ids, mask, out in results:
+        assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6))
+
+
+def test_returned_logits_are_not_overwritten_by_the_next_replay():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 7], seed=3)
+    kwargs = dict(do_sample=False, max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(ids, attention_mask=mask, **kwargs)
+    out, runner = _generate(model, ids, mask, graphs=True, **kwargs)
+    assert runner.replays == 5
+    for got, want in zip(out.logits, ref.logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len({t.data_ptr() for t in out.logits}) == len(out.logits)  # each step's logits are its own
+
+
+def test_falls_back_to_eager_above_the_largest_bucket_and_for_multi_token_steps():
+    model = tiny_model("llama")
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=4, prefix_cache=False)
+    ids, mask = left_padded_batch([3, 5, 2], seed=4)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        model.generate(ids[:1], attention_mask=mask[:1], do_sample=False, max_new_tokens=2)
+        runner = _runner(model)
+        runner.max_batch, runner.buckets = 2, [1, 2]
+        replays = runner.replays
+        assert torch.equal(model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4), ref)
+        assert runner.replays == replays  # batch 3 > the largest bucket (2): every step ran eager
+    finally:
+        astrai_hf.unpatch(model)
+    # prompt lookup: verify steps carry several tokens per row and run eager; plain decode steps replay
+    kwargs = dict(do_sample=False, prompt_lookup_num_tokens=2, max_new_tokens=8)
+    one, runner = _generate(model, ids[:1], mask[:1], graphs=True, **kwargs)
+    assert torch.equal(one, model.generate(ids[:1], attention_mask=mask[:1], **kwargs))
+
+
+@pytest.mark.slow
+def test_embedded_model_through_the_runner():
+    from astrai_hf.models import embedded_gguf, load_model
+
+    try:
+        embedded_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model, tokenizer = load_model()
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False)
+             for q in ("What is the capital of France?", "List three prime numbers.", "Hi")]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=16, max_seq_len=512)
+    out, runner = _generate(model, ids, mask, graphs=True, pool=pool, do_sample=False, max_new_tokens=16)
+    assert torch.equal(out, ref) and runner.replays == 15 and runner.captured == [4]
