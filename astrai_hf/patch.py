@@ -11,6 +11,7 @@ import torch
 
 from . import attention, packing
 from .cache import PagedCache, left_padding
+from .distributed import agree
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules
 
@@ -242,24 +243,39 @@ def _wrap_generate(model, generate, state: PatchState):
             or kwargs.get("cache_implementation", config.cache_implementation) is not None
         ):
             return generate(*args, **kwargs)
-        input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        attention_mask = kwargs.get("attention_mask")
-        pool = state.pool
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
-            _check_length(input_ids, attention_mask, kwargs, config, pool)
-            if attention_mask is None:
-                attention_mask = _implied_mask(input_ids, kwargs, config)
-            elif attention_mask.shape != input_ids.shape:
-                input_ids = attention_mask = None  # only the new columns were passed; nothing to match
-        else:
-            input_ids = attention_mask = None
-        cache = PagedCache(pool, input_ids, attention_mask)
+        pool, cache, failed = state.pool, None, None
+        try:
+            cache = _cache_for(pool, args, kwargs, config)
+        except Exception as e:
+            failed = e
+        try:
+            agree(pool.ranks, failed)  # tensor parallel: one rank's bad input stops every rank here
+        except Exception:
+            if cache is not None:
+                cache.release()
+            raise
         try:
             return generate(*args, **{**kwargs, state.cache_kwarg: cache})
         finally:
             cache.release()
 
     return paged_generate
+
+
+def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
+    """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
+    found."""
+    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    attention_mask = kwargs.get("attention_mask")
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+        _check_length(input_ids, attention_mask, kwargs, config, pool)
+        if attention_mask is None:
+            attention_mask = _implied_mask(input_ids, kwargs, config)
+        elif attention_mask.shape != input_ids.shape:
+            input_ids = attention_mask = None  # only the new columns were passed; nothing to match
+    else:
+        input_ids = attention_mask = None
+    return PagedCache(pool, input_ids, attention_mask)
 
 
 def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor | None:
