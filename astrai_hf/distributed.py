@@ -7,9 +7,10 @@ only its rank's heads: with a column-wise ``k_proj`` a Llama of 2 KV heads gives
 
 Page allocation and prefix-cache decisions depend only on the inputs and on the pool's history, so page tables
 agree on every rank without communication. What must not happen is one rank raising (pool full, bad input) while
-the others go on into the model's next collective and wait forever. :class:`RankGroup` makes the ranks agree on
-the outcome at the few points where astrai-hf can fail: pool sizing, binding a model, the start of a patched
-``generate()`` and the planning of each forward step (one all-reduce of 5 integers each).
+the others go on into the model's next collective and wait forever. :class:`RankGroup` makes the ranks agree at
+the few points where astrai-hf can fail or where ranks could drift apart: sizing a pool by free memory, binding a
+model (same pool geometry), loading a prefix cache file, the start of a patched ``generate()`` and the planning of
+each forward step. Each is one small all-reduce; only a failure adds a broadcast of the failing rank's message.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import re
 
 import torch
+import torch.distributed as dist
 
 from .errors import CacheFullError
 
@@ -52,8 +54,6 @@ class RankGroup:
     """
 
     def __init__(self, group, device: torch.device | str = "cpu"):
-        import torch.distributed as dist
-
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -61,22 +61,16 @@ class RankGroup:
         self.device = torch.device("cpu") if "gloo" in backend else torch.device(device)
 
     def _reduce(self, values: list[int], op) -> list[int]:
-        import torch.distributed as dist
-
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=op, group=self.group)
         return t.tolist()
 
     def min(self, values: list[int]) -> list[int]:
         """Element-wise minimum over the ranks."""
-        import torch.distributed as dist
-
         return self._reduce(values, dist.ReduceOp.MIN)
 
     def max(self, values: list[int]) -> list[int]:
         """Element-wise maximum over the ranks."""
-        import torch.distributed as dist
-
         return self._reduce(values, dist.ReduceOp.MAX)
 
     def agree(self, error: BaseException | None) -> None:
@@ -88,11 +82,9 @@ class RankGroup:
         Raises:
             this rank's own ``error`` if it failed; otherwise, when another rank failed, an error of the same
             type (``CacheFullError`` with that rank's numbers, ``ValueError``, ``TypeError``, else
-            ``RuntimeError``) naming the rank and carrying its message. When several ranks failed, the highest
-            error code (and highest rank among those) is reported.
+            ``RuntimeError``) naming the rank and carrying its message. When several ranks failed, one of them is
+            reported, and a ``CacheFullError``'s numbers are the largest over the failing ranks.
         """
-        import torch.distributed as dist
-
         code, needed, free, evictable = _encode(error)
         code, needed, free, evictable, rank = self.max([code, needed, free, evictable, self.rank if code else -1])
         if code == _OK:
@@ -112,17 +104,16 @@ class RankGroup:
         kind = {_VALUE_ERROR: ValueError, _TYPE_ERROR: TypeError}.get(code, RuntimeError)
         raise kind(f"{where} raised {kind.__name__}: {message[0]}")
 
-    def check_equal(self, what: str, values: dict[str, int]) -> None:
-        """Raise ``ValueError`` on every rank unless ``values`` are the same on all of them."""
+    def check_equal(self, what: str, values: dict[str, int], hint: str) -> None:
+        """Raise ``ValueError`` on every rank, naming each value that differs and ending with ``hint``, unless
+        ``values`` are the same on all ranks. One all-reduce (the maximum of each value and of its negation)."""
         names = list(values)
         local = [int(values[n]) for n in names]
-        low, high = self.min(local), self.max(local)
+        reduced = self.max(local + [-v for v in local])
+        high, low = reduced[: len(names)], [-v for v in reduced[len(names) :]]
         differ = [f"{n} from {lo} to {hi}" for n, lo, hi in zip(names, low, high) if lo != hi]
         if differ:
-            raise ValueError(
-                f"{what} differs between the tensor-parallel ranks ({', '.join(differ)}); every rank must build "
-                "its pool with the same settings (PagePool.from_model(model) on each rank does)"
-            )
+            raise ValueError(f"{what} differs between the tensor-parallel ranks ({', '.join(differ)}); {hint}")
 
 
 def agree(ranks: RankGroup | None, error: BaseException | None) -> None:
@@ -151,7 +142,7 @@ def rank_group(attention_modules: list[torch.nn.Module]) -> RankGroup | None:
     model is not tensor-parallel (no DTensor sharded over more than one rank, or ``torch.distributed`` is not
     initialised)."""
     DTensor = _dtensor_type()
-    if DTensor is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    if DTensor is None or not dist.is_available() or not dist.is_initialized():
         return None
     for module in attention_modules:
         for p in module.parameters():
@@ -180,29 +171,33 @@ def kv_heads_per_rank(model: torch.nn.Module, attention_modules: list[torch.nn.M
     if DTensor is None:
         return num_kv_heads
     names = {id(m): name for name, m in model.named_modules()}
-    counts = set()
-    for attn in attention_modules:
-        proj = next((getattr(attn, n) for n in _KEY_PROJECTIONS if isinstance(getattr(attn, n, None), torch.nn.Module)), None)
-        weight = proj._parameters.get("weight") if proj is not None else None
-        if not isinstance(weight, DTensor) or _gathers_output(model, names.get(id(proj), "")):
-            counts.add(num_kv_heads)
-            continue
-        dims = [p.dim for p in weight.placements if p.is_shard()]
-        if not dims:
-            counts.add(num_kv_heads)
-            continue
-        local, total = weight.to_local().shape[dims[0]], weight.shape[dims[0]]
-        if (num_kv_heads * local) % total:
-            raise ValueError(
-                f"{type(model).__name__} has {num_kv_heads} KV head(s), which the tensor-parallel plan cannot split "
-                f"into whole heads: this rank holds {local} of the {total} output channels of "
-                f"{names.get(id(proj), type(proj).__name__)} over {weight.device_mesh.size()} ranks (transformers' "
-                "own attention fails on this too); use a tensor-parallel size that divides num_key_value_heads"
-            )
-        counts.add(num_kv_heads * local // total)
+    counts = {_local_heads(model, attn, num_kv_heads, names, DTensor) for attn in attention_modules}
     if len(counts) > 1:
-        raise ValueError(f"the attention layers of {type(model).__name__} hold different KV head counts {sorted(counts)}")
+        raise ValueError(
+            f"the attention layers of {type(model).__name__} hold different KV head counts {sorted(counts)}"
+        )
     return counts.pop() if counts else num_kv_heads
+
+
+def _local_heads(model, attn: torch.nn.Module, num_kv_heads: int, names: dict[int, str], DTensor) -> int:
+    proj = next((getattr(attn, n) for n in _KEY_PROJECTIONS if isinstance(getattr(attn, n, None), torch.nn.Module)),
+                None)
+    weight = proj._parameters.get("weight") if proj is not None else None
+    if not isinstance(weight, DTensor):
+        return num_kv_heads
+    name = names.get(id(proj), type(proj).__name__)
+    dims = [p.dim for p in weight.placements if p.is_shard()]
+    if not dims or _gathers_output(model, name):
+        return num_kv_heads
+    local, total = weight.to_local().shape[dims[0]], weight.shape[dims[0]]
+    if (num_kv_heads * local) % total:
+        raise ValueError(
+            f"{type(model).__name__} has {num_kv_heads} KV head(s), which the tensor-parallel plan cannot split into "
+            f"whole heads: this rank holds {local} of the {total} output channels of {name} over "
+            f"{weight.device_mesh.size()} ranks (transformers' own attention fails on this too); use a "
+            "tensor-parallel size that divides num_key_value_heads"
+        )
+    return num_kv_heads * local // total
 
 
 def _gathers_output(model: torch.nn.Module, name: str) -> bool:

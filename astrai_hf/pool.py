@@ -270,13 +270,14 @@ class PagePool:
 
         ranks = rank_group(attention_modules(model))
         if ranks is not None:
-            ranks.check_equal("the PagePool", {
+            geometry = {
                 "num_pages": self.config.num_pages,
                 "page_size": self.page_size,
                 "max_seq_len": self.max_seq_len,
                 "max_reqs": self.config.max_reqs,
                 "prefix_cache": self.prefix_cache is not None,
-            })
+            }
+            ranks.check_equal("the PagePool", geometry, "every rank must build its pool with the same settings")
         self.ranks = ranks
 
         digest = weights_fingerprint(model)
@@ -323,7 +324,10 @@ class PagePool:
         agree(self.ranks, failed)
         if self.ranks is not None:
             try:
-                self.ranks.check_equal("the number of prefix pages loaded", {"pages": loaded})
+                self.ranks.check_equal(
+                    "the number of prefix pages loaded", {"pages": loaded},
+                    "every rank cleared its prefix cache; load each rank's own file into pools with the same room",
+                )
             except ValueError:
                 self.clear_prefix_cache()
                 raise

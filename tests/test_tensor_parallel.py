@@ -19,6 +19,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from tiny_models import left_padded_batch, tiny_model
 
 MAX_NEW_TOKENS = 6
+# fused QKV projections and the KV heads each of 2 ranks holds: Phi-3's plan gathers qkv_proj's output (both of its
+# 2 KV heads on every rank); GPT-NeoX's shards query_key_value (2 of its 4 heads per rank)
+FUSED_QKV = {"phi3": 2, "gpt_neox": 2}
 TIMEOUT_S = 240
 
 
@@ -50,10 +53,16 @@ def ranks(tmp_path_factory):
     mask2 = torch.cat([mask1, torch.ones(3, MAX_NEW_TOKENS + 4, dtype=mask1.dtype)], dim=1)
     out2 = model.generate(ids2, attention_mask=mask2, past_key_values=DynamicCache(), **greedy)
     one_row = torch.tensor([[5, 6, 7, 8]])
+    families = {}
+    for arch in FUSED_QKV:
+        other = tiny_model(arch)
+        other.save_pretrained(tmp / arch)
+        out = other.generate(ids1, attention_mask=mask1, past_key_values=DynamicCache(), **greedy)
+        families[arch] = {"dir": str(tmp / arch), "out": out.tolist()}
     reference = {
         "max_new_tokens": MAX_NEW_TOKENS,
         "ids1": ids1.tolist(), "mask1": mask1.tolist(), "ids2": ids2.tolist(), "mask2": mask2.tolist(),
-        "out1": out1.tolist(), "out2": out2.tolist(), "one_row": one_row.tolist(),
+        "out1": out1.tolist(), "out2": out2.tolist(), "one_row": one_row.tolist(), "families": families,
     }
     (tmp / "reference.json").write_text(json.dumps(reference))
 
@@ -122,6 +131,19 @@ def test_bad_input_on_one_rank_is_raised_on_both(ranks):
     )
 
 
+def test_prefix_cache_files_per_rank(ranks):
+    reference, results = ranks
+    for r in results:
+        got = r["persist"]["ok"]
+        assert got["saved"] == got["loaded"] > 0 and got["hit"] > 0 and got["out2"] == reference["out2"]
+        # rank 1 had room for 3 pages only: the ranks would reuse different prefixes, so both refuse and clear
+        assert r["persist_differs"]["error"] == "ValueError"
+        assert "number of prefix pages loaded differs" in r["persist_differs"]["message"]
+        assert "every rank cleared its prefix cache" in r["persist_differs"]["message"]
+        assert r["persist_differs_cached_after"] == 0
+    assert results[0]["persist"]["ok"]["loaded"] == results[1]["persist"]["ok"]["loaded"]
+
+
 def test_ranks_agree_on_pool_geometry(ranks):
     _, results = ranks
     for r in results:
@@ -135,3 +157,10 @@ def test_one_kv_head_over_two_ranks_is_refused(ranks):
     for r in results:
         assert r["mqa"]["error"] == "ValueError"
         assert "1 KV head(s)" in r["mqa"]["message"] and "8 of the 16 output channels" in r["mqa"]["message"]
+
+
+@pytest.mark.parametrize("arch", FUSED_QKV)
+def test_fused_qkv_projections(ranks, arch):
+    reference, results = ranks
+    for r in results:
+        assert r[arch] == {"ok": {"num_kv_heads": FUSED_QKV[arch], "out": reference["families"][arch]["out"]}}

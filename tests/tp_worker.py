@@ -117,13 +117,48 @@ def main(model_dir: str, mqa_dir: str, reference_path: str, out_dir: str) -> Non
     # 6. after all that the first pool still generates the reference tokens
     attempt("after_errors", lambda: model.generate(tensor("ids1"), attention_mask=tensor("mask1"), **greedy).tolist())
 
-    # 7. pools that differ between the ranks are refused on every rank
+    # 7. the prefix cache saved and loaded per rank: a new pool serves the second turn from the file
+    def persist():
+        saved = pool.save_prefix_cache(Path(out_dir, f"prefix.rank{rank}.safetensors"))
+        fresh = PagePool.from_model(model, max_tokens=512, page_size=4)
+        loaded = fresh.load_prefix_cache(Path(out_dir, f"prefix.rank{rank}.safetensors"))
+        astrai_hf.patch(model, pool=fresh)
+        out2 = model.generate(tensor("ids2"), attention_mask=tensor("mask2"), **greedy)
+        return {"saved": saved, "loaded": loaded, "hit": fresh.stats()["prefix_hit_tokens"], "out2": out2.tolist()}
+
+    attempt("persist", persist)
+
+    def persist_differs():
+        fresh = PagePool.from_model(model, max_tokens=512, page_size=4)
+        taken = fresh.allocator.alloc(fresh.allocator.num_free - 3) if rank == 1 else []  # room for 3 pages
+        try:
+            return fresh.load_prefix_cache(Path(out_dir, f"prefix.rank{rank}.safetensors"))
+        finally:
+            result["persist_differs_cached_after"] = fresh.stats()["prefix_cache_pages"]
+            fresh.allocator.decref(taken)
+
+    attempt("persist_differs", persist_differs)
+    astrai_hf.patch(model, pool=pool)
+
+    # 8. pools that differ between the ranks are refused on every rank
     attempt("pools_differ", lambda: repr(PagePool.from_model(model, max_tokens=64 * (rank + 1), page_size=4)))
 
-    # 8. memory_fraction: the ranks agree on the page count
+    # 9. memory_fraction: the ranks agree on the page count
     attempt("memory_fraction", lambda: PagePool.from_model(model, memory_fraction=1e-6, page_size=4).stats()["num_pages"])
 
-    # 9. one KV head over two ranks: transformers splits the head itself; the pool refuses with the reason
+    # 10. fused QKV projections: Phi-3's plan gathers qkv_proj's output (every rank keeps every head), GPT-NeoX's
+    # shards query_key_value (each rank keeps half)
+    for name, family in ref["families"].items():
+        def fused(family=family):
+            other = AutoModelForCausalLM.from_pretrained(family["dir"],
+                                                         distributed_config=DistributedConfig(tp_plan="auto"))
+            astrai_hf.patch(other, max_tokens=256, page_size=4)
+            out = other.generate(tensor("ids1"), attention_mask=tensor("mask1"), **greedy).tolist()
+            return {"num_kv_heads": astrai_hf.get_pool(other).config.spec.num_kv_heads, "out": out}
+
+        attempt(name, fused)
+
+    # 11. one KV head over two ranks: transformers splits the head itself; the pool refuses with the reason
     mqa = AutoModelForCausalLM.from_pretrained(mqa_dir, distributed_config=DistributedConfig(tp_plan="auto"))
     attempt("mqa", lambda: repr(PagePool.from_model(mqa, max_tokens=64)))
 
