@@ -7,12 +7,12 @@ layer keeps its weights on ``meta`` and runs on the CPU. tests/gpu/ repeats the 
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 import astrai_hf
 from astrai_hf import PagePool
 from astrai_hf import pool as pool_module
-from tiny_models import left_padded_batch, tiny_model
+from tiny_models import left_padded_batch, paged_and_reference, tiny_model
 
 # 16 tokens x K,V x 2 KV heads x head_dim 16 x fp32, for one layer
 LAYER_PAGE_BYTES = 16 * 2 * 2 * 16 * 4
@@ -62,14 +62,8 @@ def test_device_map_with_an_offloaded_layer_keeps_kv_where_the_layer_runs(tmp_pa
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", device_map=device_map,
                                                  offload_folder=str(tmp_path / "offload")).eval()
     assert next(model.model.layers[1].self_attn.parameters()).device.type == "meta"  # weights on disk
-    ids, mask = left_padded_batch([4, 9, 6])
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache())
     pool = PagePool.from_model(model, max_tokens=256, page_size=4)
     assert pool.config.layer_devices == (torch.device("cpu"),) * 2  # accelerate's execution device, not meta
-    astrai_hf.patch(model, pool=pool)
-    try:
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    finally:
-        astrai_hf.unpatch(model)
+    out, ref = paged_and_reference(model, pool, *left_padded_batch([4, 9, 6]))
     assert torch.equal(out, ref)
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_cached_pages"] > 0
