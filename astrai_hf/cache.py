@@ -8,6 +8,7 @@ import weakref
 import torch
 from transformers import Cache
 
+from .distributed import agree
 from .errors import CacheFullError
 from .metadata import StepMetadata
 from .pool import PagePool
@@ -225,10 +226,19 @@ class PagedCache(Cache):
                 first.
             ValueError: a row would exceed ``max_seq_len``, the batch size changed, or the padding differs from the
                 prompt's the cache was built with; the cache is released first.
+
+        Under tensor parallelism (a pool bound to a ``tp_plan`` model) the ranks agree on the outcome with one
+        all-reduce of 5 integers: when planning fails on any rank, every rank releases its cache and raises (see
+        :meth:`astrai_hf.distributed.RankGroup.agree`), so none is left waiting in the model's next collective.
         """
+        step, failed = None, None
         try:
             step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged)
-        except (CacheFullError, ValueError):
+        except Exception as e:
+            failed = e
+        try:
+            agree(self.pool.ranks, failed)
+        except Exception:
             self.release()
             raise
         self._step, self._step_layers = step, set()

@@ -13,7 +13,8 @@ class KVSpec:
 
     Attributes:
         num_layers: decoder layers that keep a KV cache.
-        num_kv_heads: key/value heads per layer (fewer than query heads under GQA/MQA).
+        num_kv_heads: key/value heads per layer (fewer than query heads under GQA/MQA); under tensor parallelism,
+            the heads one rank holds.
         head_dim: channels per head.
         model_type: ``config.model_type``, for error messages and fingerprints.
     """
@@ -96,6 +97,29 @@ class PagePoolConfig:
     @property
     def bytes_per_page(self) -> int:
         return self.page_size * self.spec.bytes_per_token(self.dtype)
+
+    @property
+    def bytes_per_page_by_device(self) -> dict[torch.device, int]:
+        """Bytes of one page (K and V) on each device, summed over the layers stored there."""
+        return page_bytes_by_device(self.spec, self.page_size, self.dtype, self.layer_devices)
+
+
+def page_bytes_by_device(
+    spec: KVSpec, page_size: int, dtype: torch.dtype, layer_devices: tuple[torch.device, ...]
+) -> dict[torch.device, int]:
+    """Bytes one page of ``page_size`` tokens takes on each device: K and V of every layer whose storage lives there.
+
+    Args:
+        spec: KV geometry (heads as stored on this rank).
+        page_size: token slots per page.
+        dtype: K/V dtype.
+        layer_devices: device of each layer's storage.
+    """
+    per_layer = 2 * page_size * spec.num_kv_heads * spec.head_dim * _itemsize(dtype)
+    out: dict[torch.device, int] = {}
+    for device in layer_devices:
+        out[device] = out.get(device, 0) + per_layer
+    return out
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from . import attention, packing
 from .cache import PagedCache, left_padding
+from .distributed import agree
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules
 
@@ -67,7 +68,8 @@ def patch(
             it applies to the families in ``PACKED_PREFILL`` (elsewhere use transformers' own
             ``generate(..., prefill_chunk_size=...)``, which a PagedCache supports too).
         cuda_graphs: run decode steps through a :class:`~astrai_hf.graphs.DecodeGraphRunner` (one CUDA graph per
-            batch-size bucket over a fixed-address workspace). Default: on when the model is on a CUDA device. True
+            batch-size bucket over a fixed-address workspace). Default: on when the whole model is on one CUDA device
+            and not tensor parallel (layers over several devices, or a tensor-parallel plan, decode eagerly). True
             on a CPU runs the runner's eager stand-in (the same static-buffer path without graphs; for tests).
         **pool_kwargs: sizing for the default pool (``max_tokens``, ``page_size``, ...).
 
@@ -211,9 +213,16 @@ def _uses_attention_interface(cls: type) -> bool:
 
 
 def _wants_graphs(model, cuda_graphs: bool | None) -> bool:
-    if cuda_graphs is None:
-        return any(p.is_cuda for p in model.parameters())
-    return bool(cuda_graphs)
+    """The ``cuda_graphs`` default: on for a model wholly on one CUDA device and not tensor parallel. Layers
+    split over devices and collectives inside the forward are not captured; those models decode eagerly."""
+    if cuda_graphs is not None:
+        return bool(cuda_graphs)
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return False
+    from .distributed import rank_group
+
+    return rank_group(attention_modules(model)) is None
 
 
 def _runner(model, forward, state: PatchState, pool: PagePool):
@@ -301,24 +310,39 @@ def _wrap_generate(model, generate, state: PatchState):
             or kwargs.get("cache_implementation", config.cache_implementation) is not None
         ):
             return generate(*args, **kwargs)
-        input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        attention_mask = kwargs.get("attention_mask")
-        pool = state.pool
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
-            _check_length(input_ids, attention_mask, kwargs, config, pool)
-            if attention_mask is None:
-                attention_mask = _implied_mask(input_ids, kwargs, config)
-            elif attention_mask.shape != input_ids.shape:
-                input_ids = attention_mask = None  # only the new columns were passed; nothing to match
-        else:
-            input_ids = attention_mask = None
-        cache = PagedCache(pool, input_ids, attention_mask)
+        pool, cache, failed = state.pool, None, None
+        try:
+            cache = _cache_for(pool, args, kwargs, config)
+        except Exception as e:
+            failed = e
+        try:
+            agree(pool.ranks, failed)  # tensor parallel: one rank's bad input stops every rank here
+        except Exception:
+            if cache is not None:
+                cache.release()
+            raise
         try:
             return generate(*args, **{**kwargs, state.cache_kwarg: cache})
         finally:
             cache.release()
 
     return paged_generate
+
+
+def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
+    """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
+    found."""
+    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    attention_mask = kwargs.get("attention_mask")
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+        _check_length(input_ids, attention_mask, kwargs, config, pool)
+        if attention_mask is None:
+            attention_mask = _implied_mask(input_ids, kwargs, config)
+        elif attention_mask.shape != input_ids.shape:
+            input_ids = attention_mask = None  # only the new columns were passed; nothing to match
+    else:
+        input_ids = attention_mask = None
+    return PagedCache(pool, input_ids, attention_mask)
 
 
 def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor | None:

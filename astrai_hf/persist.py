@@ -30,12 +30,16 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     """A hex digest of the model's parameters: names, shapes, dtypes and up to 4096 evenly strided values each.
 
     Cheap (no full pass over the weights) and different for any two checkpoints that differ in more than a few
-    isolated values.
+    isolated values. A tensor-parallel rank digests its own shards (no communication), so each rank's digest is
+    its own. Parameters offloaded by a ``device_map`` (on ``meta``, no data here) count by name, shape and dtype.
     """
     h = hashlib.blake2b(digest_size=16)
     for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
-        flat = p.detach().reshape(-1)
+        local = p.to_local() if hasattr(p, "to_local") else p  # DTensor under tensor parallelism
+        if local.is_meta:
+            continue
+        flat = local.detach().reshape(-1)
         if flat.numel():
             stride = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
             sample = flat[::stride][:_SAMPLES_PER_TENSOR].to("cpu", torch.float32)

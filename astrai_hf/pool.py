@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Sequence
@@ -10,7 +11,8 @@ from pathlib import Path
 import torch
 
 from .allocator import PageAllocator
-from .config import KVSpec, PagePoolConfig
+from .config import KVSpec, PagePoolConfig, page_bytes_by_device
+from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
 from .prefix_cache import PrefixCache
 from .req_to_token import ReqToTokenPool
@@ -32,8 +34,9 @@ class PagePool:
         config: the model's ``PretrainedConfig`` (the text decoder's geometry is read from it).
         max_tokens: token capacity; the pool gets ``max_tokens // page_size`` usable pages.
         memory_fraction: alternatively, size the pool to this fraction (0, 1] of the memory free on each device
-            it spans (GPU: ``torch.cuda.mem_get_info``; CPU: available RAM). Exclusive with ``max_tokens``.
-            With neither, ``max_tokens`` defaults to 32768.
+            it spans (GPU: ``torch.cuda.mem_get_info``; CPU: available RAM): each device gets at most that
+            fraction of its own free memory for the layers stored on it, and the device with the least room sets
+            the page count. Exclusive with ``max_tokens``. With neither, ``max_tokens`` defaults to 32768.
         page_size: token slots per page (>= 1).
         max_seq_len: longest row in tokens (padding excluded); defaults to the model's
             ``max_position_embeddings``, capped by the pool's capacity.
@@ -42,6 +45,12 @@ class PagePool:
         dtype: K/V dtype; defaults to the config's dtype, else float32.
         prefix_cache: keep the full pages of finished sequences and reuse them for later prompts that start with
             the same tokens (default True); see :mod:`astrai_hf.prefix_cache`.
+        num_kv_heads: KV heads stored per layer; defaults to the config's. Under tensor parallelism, the heads
+            this rank holds (``from_model`` reads them from the model).
+        process_group: the tensor-parallel ``torch.distributed`` group whose ranks hold the other heads of the
+            same sequences (``from_model`` finds it). Pages sized by ``memory_fraction`` are then the minimum over
+            the ranks, so every rank has the same pages, and errors are raised on all ranks together (see
+            :mod:`astrai_hf.distributed`).
 
     Raises:
         ValueError: a size is out of range or names what cannot be; ``TypeError``: a value of the wrong type.
@@ -59,8 +68,14 @@ class PagePool:
         device: str | torch.device | Sequence[str | torch.device] | None = None,
         dtype: torch.dtype | None = None,
         prefix_cache: bool = True,
+        num_kv_heads: int | None = None,
+        process_group=None,
     ):
         spec = KVSpec.from_config(config)
+        if num_kv_heads is not None:
+            if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+                raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+            spec = dataclasses.replace(spec, num_kv_heads=num_kv_heads)
         if isinstance(page_size, bool) or not isinstance(page_size, int):
             raise TypeError(f"page_size must be an int, got {page_size!r}")
         if page_size < 1:
@@ -70,6 +85,9 @@ class PagePool:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         layer_devices = _resolve_devices(device, spec.num_layers)
         num_usable = _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction)
+        self.ranks: RankGroup | None = RankGroup(process_group, layer_devices[0]) if process_group is not None else None
+        if self.ranks is not None and memory_fraction is not None:
+            (num_usable,) = self.ranks.min([num_usable])  # free memory differs per rank; page tables must not
         capacity = num_usable * page_size
         if max_seq_len is None:
             text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -96,17 +114,29 @@ class PagePool:
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs) -> "PagePool":
         """Build a pool for ``model``: geometry from its config, dtype and per-layer devices from its attention
-        modules (so a model split with ``device_map`` keeps each layer's K/V beside the layer).
+        modules. A model split with ``device_map`` keeps each layer's K/V on the device the layer runs on (for an
+        offloaded layer, accelerate's execution device). Under tensor parallelism (``tp_plan``) the pool holds the
+        KV heads of this rank and agrees with the other ranks (see ``process_group``); call it on every rank.
 
         Args:
             model: a transformers causal LM.
-            **kwargs: as for :class:`PagePool` (``device`` and ``dtype`` override what is read from the model).
+            **kwargs: as for :class:`PagePool` (``device``, ``dtype``, ``num_kv_heads`` and ``process_group``
+                override what is read from the model).
+
+        Raises:
+            ValueError: as for :class:`PagePool`, or the model's KV heads do not split into whole heads per
+                tensor-parallel rank.
         """
         layers = attention_modules(model)
         if "device" not in kwargs and layers:
             kwargs["device"] = [_module_device(m) for m in layers]
         if "dtype" not in kwargs and layers:
             kwargs["dtype"] = _module_dtype(layers[0])
+        if "num_kv_heads" not in kwargs:
+            kwargs["num_kv_heads"] = model_kv_spec(model, layers).num_kv_heads
+        if "process_group" not in kwargs:
+            ranks = rank_group(layers)
+            kwargs["process_group"] = ranks.group if ranks is not None else None
         pool = cls(model.config, **kwargs)
         pool.bind_model(model)
         return pool
@@ -133,10 +163,11 @@ class PagePool:
         """Check that ``model`` can store its K/V here.
 
         Raises:
-            ValueError: layer count, KV heads, head_dim or a layer's device differ.
+            ValueError: layer count, KV heads (this rank's, under tensor parallelism), head_dim or a layer's device
+                differ.
             TypeError: the model computes K/V in another dtype.
         """
-        spec, mine = KVSpec.from_config(model.config), self.config.spec
+        spec, mine = model_kv_spec(model), self.config.spec
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(spec, name) != getattr(mine, name):
                 raise ValueError(
@@ -156,8 +187,8 @@ class PagePool:
                 )
 
     # ------------------------------------------------------------------ statistics
-    def stats(self) -> dict[str, int]:
-        """Counters of the pool, all ints.
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        """Counters of the pool: ints, and one dict of ints.
 
         Returns:
             - ``num_pages``: usable pages; ``num_free_pages + num_used_pages + num_cached_pages == num_pages``.
@@ -171,6 +202,9 @@ class PagePool:
             - ``evictions``: pages evicted from the prefix cache so far.
             - ``kv_bytes_used`` / ``kv_bytes_cached`` / ``kv_bytes_total``: bytes (K and V, all layers) of the used
               pages, of the cached-only pages, of the whole pool.
+            - ``kv_bytes_by_device``: ``{device: bytes}``, the whole pool's bytes on each device it spans (a model
+              split with ``device_map`` keeps each layer's K/V on that layer's device); the values sum to
+              ``kv_bytes_total``. Under tensor parallelism these are this rank's bytes (its share of the heads).
             - ``page_size``, ``num_reqs_used`` (request rows held), ``max_reqs``.
         """
         cached = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
@@ -187,6 +221,9 @@ class PagePool:
             "kv_bytes_used": used * per_page,
             "kv_bytes_cached": cached * per_page,
             "kv_bytes_total": self.allocator.num_usable * per_page,
+            "kv_bytes_by_device": {
+                str(d): self.allocator.num_usable * b for d, b in self.config.bytes_per_page_by_device.items()
+            },
             "page_size": self.page_size,
             "num_reqs_used": self.config.max_reqs - self.req_to_token.num_free,
             "max_reqs": self.config.max_reqs,
@@ -220,11 +257,30 @@ class PagePool:
 
         Cached prefixes are only valid for the weights that computed them: binding a model whose weights differ
         from the previously bound model's clears the prefix cache.
+
+        Binding a tensor-parallel model makes the pool agree with the model's other ranks (a collective: call it on
+        every rank).
+
+        Raises:
+            ValueError: on every rank, when the ranks' pools differ in pages, page size, ``max_seq_len``,
+                ``max_reqs`` or prefix caching (their page tables could not stay the same).
         """
         current = self._model_ref() if self._model_ref is not None else None
         if current is model:
             return
         from .persist import weights_fingerprint
+
+        ranks = rank_group(attention_modules(model))
+        if ranks is not None:
+            geometry = {
+                "num_pages": self.config.num_pages,
+                "page_size": self.page_size,
+                "max_seq_len": self.max_seq_len,
+                "max_reqs": self.config.max_reqs,
+                "prefix_cache": self.prefix_cache is not None,
+            }
+            ranks.check_equal("the PagePool", geometry, "every rank must build its pool with the same settings")
+        self.ranks = ranks
 
         digest = weights_fingerprint(model)
         if self._model_fingerprint is not None and digest != self._model_fingerprint:
@@ -252,12 +308,32 @@ class PagePool:
         """Load pages written by :meth:`save_prefix_cache` into this pool's prefix cache.
         See :func:`astrai_hf.persist.load_prefix_cache`.
 
+        Under tensor parallelism each rank saves and loads its own file (its heads; the file's fingerprint holds
+        the rank's shard of the weights). The ranks then agree: an error on one rank is raised on all, and when
+        they loaded different page counts every rank clears its prefix cache and raises ``ValueError``, since
+        ranks that reuse different prefixes would feed the model different columns.
+
         Returns:
             pages loaded.
         """
         from .persist import load_prefix_cache
 
-        return load_prefix_cache(self, path, model)
+        loaded, failed = 0, None
+        try:
+            loaded = load_prefix_cache(self, path, model)
+        except Exception as e:
+            failed = e
+        agree(self.ranks, failed)
+        if self.ranks is not None:
+            try:
+                self.ranks.check_equal(
+                    "the number of prefix pages loaded", {"pages": loaded},
+                    "every rank cleared its prefix cache; load each rank's own file into pools with the same room",
+                )
+            except ValueError:
+                self.clear_prefix_cache()
+                raise
+        return loaded
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -278,7 +354,27 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [found[i] for i in sorted(found)]
 
 
+def model_kv_spec(model: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> KVSpec:
+    """The KV geometry ``model`` produces on this process: its config's, with the KV heads this rank holds under
+    tensor parallelism.
+
+    Raises:
+        ValueError: the config lacks the geometry, or the heads do not split into whole heads per rank.
+    """
+    spec = KVSpec.from_config(model.config)
+    layers = attention_modules(model) if layers is None else layers
+    heads = kv_heads_per_rank(model, layers, spec.num_kv_heads)
+    return spec if heads == spec.num_kv_heads else dataclasses.replace(spec, num_kv_heads=heads)
+
+
 def _module_device(module: torch.nn.Module) -> torch.device:
+    """Where the module computes: accelerate's execution device when a ``device_map`` hook is attached (an
+    offloaded layer keeps its weights on ``meta`` and runs elsewhere), else where its parameters are."""
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
     return next(module.parameters()).device
 
 
@@ -322,10 +418,7 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
             raise TypeError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        per_layer = 2 * spec.num_kv_heads * spec.head_dim * torch.empty((), dtype=dtype).element_size() * page_size
-        bytes_by_device: dict[torch.device, int] = {}
-        for d in layer_devices:
-            bytes_by_device[d] = bytes_by_device.get(d, 0) + per_layer
+        bytes_by_device = page_bytes_by_device(spec, page_size, dtype, layer_devices)
         pages = min(int(_free_bytes(d) * memory_fraction) // b for d, b in bytes_by_device.items())
         if pages < 1:
             raise ValueError(f"memory_fraction={memory_fraction} of the free memory does not hold one page")

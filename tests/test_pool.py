@@ -44,6 +44,7 @@ def test_memory_fraction_sizing(llama):
         (dict(max_seq_len=0), ValueError, "max_seq_len must be >= 1, got 0"),
         (dict(dtype=torch.int8), TypeError, "dtype must be a floating"),
         (dict(device="nowhere"), ValueError, "'nowhere' is not a torch device"),
+        (dict(num_kv_heads=0), ValueError, "num_kv_heads must be a positive int, got 0"),
     ],
 )
 def test_bad_arguments_name_the_value(llama, kwargs, error, text):

@@ -61,3 +61,17 @@ def left_padded_batch(lengths, seed: int = 0):
         ids[r, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
         mask[r, width - n:] = 1
     return ids, mask
+
+
+def paged_and_reference(model, pool, ids, mask, max_new_tokens: int = 6):
+    """Greedy ``generate()`` of ``model`` patched with ``pool``, and of the unpatched model with ``DynamicCache``:
+    (paged tokens, reference tokens). The model is unpatched again afterwards."""
+    import astrai_hf
+
+    greedy = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    ref = model.generate(ids, past_key_values=T.DynamicCache(), **greedy)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        return model.generate(ids, **greedy), ref
+    finally:
+        astrai_hf.unpatch(model)
