@@ -6,7 +6,7 @@ logs to the ``astrai_hf`` logger (patching and pool pressure at INFO, prefix-cac
 
 import logging
 
-from .cache import PagedCache
+from .cache import PagedCache, cache_kwarg
 from .errors import CacheFullError
 from .patch import get_pool, is_patched, patch, patched, unpatch
 from .pool import PagePool
@@ -16,5 +16,5 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheFullError", "PagePool", "PagedCache", "get_pool", "is_patched", "patch", "patched", "unpatch", "__version__",
+    "CacheFullError", "PagePool", "PagedCache", "cache_kwarg", "get_pool", "is_patched", "patch", "patched", "unpatch", "__version__",
 ]

@@ -7,7 +7,6 @@ when generation ends.
 
 from __future__ import annotations
 
-import inspect
 import platform
 import time
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .patch import patch, unpatch
-from .cache import PagedCache
+from .cache import PagedCache, cache_kwarg
 from .pool import PagePool
 
 
@@ -106,8 +105,7 @@ def _run(model, ids, mask, new_tokens: int, make_cache, timer: StepTimer | None 
     return out.sequences, elapsed, nbytes
 
 
-def _cache_kwarg(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+_cache_kwarg = cache_kwarg
 
 
 def measure(model, ids, mask, new_tokens: int, label: str, pool: PagePool) -> list[Row]:

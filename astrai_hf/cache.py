@@ -628,3 +628,14 @@ def left_padding(attention_mask: torch.Tensor) -> list[int]:
             "use tokenizer.padding_side = 'left'"
         )
     return pads.tolist()
+
+
+def cache_kwarg(model) -> str:
+    """The ``generate()`` / ``forward()`` keyword that takes a cache on this transformers version.
+
+    ``"cache"`` on transformers 5.24 and later (where ``past_key_values=`` still works, with a FutureWarning),
+    ``"past_key_values"`` before. Use it as ``model.generate(**inputs, **{cache_kwarg(model): cache})``.
+    """
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -19,11 +19,16 @@ DEMO_TURNS = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astrai-hf", description=__doc__)
-    parser.add_argument("--model", default=None, help="HF model id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    model_help = "HF model id or local folder (default: embedded SmolLM2-135M-Instruct)"
+    parser.add_argument("--model", default=None, help=model_help)
+    # --model is accepted after the subcommand too: `astrai-hf bench --model PATH`
+    with_model = argparse.ArgumentParser(add_help=False)
+    with_model.add_argument("--model", default=argparse.SUPPRESS, help=model_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="multi-turn chat through the patched generate(), then a side-by-side table")
+    demo = sub.add_parser("demo", parents=[with_model],
+                          help="multi-turn chat through the patched generate(), then a side-by-side table")
     demo.add_argument("--max-new-tokens", type=int, default=48)
-    gen = sub.add_parser("generate", help="answer one prompt (chat template), streamed")
+    gen = sub.add_parser("generate", parents=[with_model], help="answer one prompt (chat template), streamed")
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -32,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--page-size", type=int, default=None, help="tokens per page")
     run.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     run.add_argument("--report", action="store_true", help="print each patched model's pool statistics at the end")
+    run.add_argument("--quiet", action="store_true", help="do not print a line to stderr when a model is patched")
     run.add_argument("script", help="the script, run as __main__")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    bench = sub.add_parser("bench", help="decode tok/s and KV bytes: DynamicCache vs StaticCache vs PagedCache")
+    bench = sub.add_parser("bench", parents=[with_model], help="decode tok/s and KV bytes: DynamicCache vs StaticCache vs PagedCache")
     bench.add_argument("--out", type=Path, default=None, help="folder for the markdown tables and JSON")
     bench.add_argument("--plot", type=Path, default=None, help="also draw the results side by side into this PNG")
     bench.add_argument("--suite", choices=["decode", "prefix", "prefill", "all"], default="all",
@@ -67,6 +73,14 @@ def _run_script(args) -> int:
     env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
            "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
     os.environ.update({k: str(v) for k, v in env.items() if v is not None})
+    handler = None
+    if not args.quiet:  # one line per patched model, so a user sees the switch took effect
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        autopatch.logger.addHandler(handler)
+        autopatch.logger.setLevel(logging.INFO)
     autopatch.install()
     saved_argv = sys.argv
     sys.argv = [args.script, *args.args]
@@ -82,6 +96,8 @@ def _run_script(args) -> int:
                     print(f"astrai-hf: {type(model).__name__} {json.dumps(astrai_hf.get_pool(model).stats())}",
                           file=sys.stderr)
         autopatch.uninstall()
+        if handler is not None:
+            autopatch.logger.removeHandler(handler)
     return 0
 
 

@@ -3,8 +3,8 @@
 A decode step (one new token per row) is captured once per *bucket* (1, 2, 4, 8, then steps of 8) over a
 :class:`DecodeWorkspace`: static, fixed-address buffers for everything that changes from step to step (input ids,
 positions, each row's ``req_to_token`` row, ``seq_lens``, ``slot_mapping``). A batch is padded up to its bucket; padded
-rows read and write only the trash page (slot 0). Graphs are captured lazily on first use, largest bucket first when
-warmed up, into one shared memory pool (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it
+rows read and write only the trash page (slot 0). Graphs are captured lazily, on a bucket's first decode
+step, into one memory pool shared by all buckets (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it
 cannot replay (several tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager.
 
 Attention inside a captured step reads lengths and page tables from the workspace only: the Triton split-KV decode
@@ -146,6 +146,7 @@ class DecodeGraphRunner:
         self._mempool = None
         self.replays = 0  # decode steps run through the runner
         self.captured: list[int] = []  # buckets captured, in order
+        self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (warm-up included)
 
     def close(self) -> None:
         """Drop the graphs and the workspace."""
@@ -216,5 +217,6 @@ class DecodeGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
             static_out = self._forward(bucket, cache, kwargs, state, gstep)
-        logger.info("decode runner: captured bucket %d in %.3f s", bucket, time.perf_counter() - start)
+        self.capture_seconds[bucket] = time.perf_counter() - start
+        logger.info("decode runner: captured bucket %d in %.3f s", bucket, self.capture_seconds[bucket])
         return graph, static_out, gstep

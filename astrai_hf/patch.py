@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention, packing
-from .cache import PagedCache, left_padding
+from .cache import PagedCache, cache_kwarg, left_padding
 from .distributed import agree
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules
@@ -117,10 +117,9 @@ def patch(
     configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
     if not configs:
         configs = [model.config]
-    params = inspect.signature(model.forward).parameters
     state = PatchState(
         pool=pool,
-        cache_kwarg="cache" if "cache" in params else "past_key_values",
+        cache_kwarg=cache_kwarg(model),
         attn_configs=configs,
         packable=_packable(model),
         pack_prefill=pack_prefill,

@@ -69,6 +69,7 @@ def install(**pool_kwargs) -> None:
         except NotImplementedError as e:
             logger.warning("astrai-hf left %s unpatched: %s", type(self).__name__, e)
             return original(self, *args, **kwargs)
+        logger.info("astrai-hf patched %s: %s", type(self).__name__, astrai_hf.get_pool(self))
         return self.generate(*args, **kwargs)
 
     _installed["generate"] = (GenerationMixin, original)

