@@ -164,3 +164,43 @@ def test_fused_qkv_projections(ranks, arch):
     reference, results = ranks
     for r in results:
         assert r[arch] == {"ok": {"num_kv_heads": FUSED_QKV[arch], "out": reference["families"][arch]["out"]}}
+
+
+def test_readme_snippet_under_torchrun(tmp_path):
+    """The README's tensor-parallel script, as written, under torchrun (2 ranks, gloo) on a tiny Llama with its own
+    word-level tokenizer: both ranks print the tokens of one process with stock generate()."""
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    reason = _gloo_available()
+    if reason:
+        pytest.skip(reason)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    (snippet,) = re.findall(r"```python torchrun\n(.*?)```", readme, flags=re.S)
+    words = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(60)]
+    word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(
+        tmp_path / "model")
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    prompts = ["w5 w9 w11 w3", "w7", "w20 w21 w22 w23 w24 w25 w26"]
+    script = tmp_path / "generate_tp.py"
+    script.write_text(f"path = {str(tmp_path / 'model')!r}\nprompts = {prompts!r}\n" + snippet
+                      + "import json, torch.distributed as dist\n"
+                      + f"open({str(tmp_path)!r} + f'/rank{{dist.get_rank()}}.json', 'w').write(json.dumps(out.tolist()))\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s:\n{(e.stderr or b'')[-3000:]}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model", padding_side="left")
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    want = model.generate(**inputs, max_new_tokens=64).tolist()
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == want
