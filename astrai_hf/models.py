@@ -64,6 +64,8 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if name is not None and not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise FileNotFoundError(f"model folder {name!r} does not exist")
     path = embedded_model_path() if name is None else name
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
@@ -103,6 +105,9 @@ def embedded_model_path() -> Path:
         model.generation_config = quantized.generation_config
         tmp = target.with_name(target.name + ".partial")
         model.save_pretrained(tmp)
+        tokenizer.padding_side = "left"  # what generate() needs; saved, so any loader of the folder gets it
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
         tokenizer.save_pretrained(tmp)
         tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
         bar.update()

@@ -18,7 +18,8 @@ stock = model.generate(**inputs, max_new_tokens=24, do_sample=False)
 
 pool = PagePool.from_model(model, max_tokens=4096, page_size=16)
 with PagedCache(pool) as cache:  # unpatched model: stock attention over K/V gathered from the pool
-    unpatched = model.generate(**inputs, max_new_tokens=24, do_sample=False, past_key_values=cache)
+    # the cache keyword: `cache=` on transformers 5.24 and later, `past_key_values=` before
+    unpatched = model.generate(**inputs, max_new_tokens=24, do_sample=False, **{astrai_hf.cache_kwarg(model): cache})
     print("stored tokens per row (no padding):", cache.seq_lens, "| pages:", pool.stats()["num_used_pages"])
 
 astrai_hf.patch(model, pool=pool)  # the one line: paged attention inside generate()

@@ -34,3 +34,10 @@ def test_without_model_the_embedded_one_is_loaded(monkeypatch):
     with pytest.raises(_Loaded) as e:
         main(["demo"])
     assert e.value.args == (None,)
+
+
+def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    assert main(["generate", "hi", "--model", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"astrai-hf: cannot load the model: model folder {missing!r} does not exist"
