@@ -51,7 +51,7 @@ def _generate_batch_runner(model, tokenizer, prompts: list[list[int]]):
     return run
 
 
-def run(model, tokenizer, *, new_tokens=(1, 16, 64), repeats: int = 2, seed: int = 0, progress=None) -> PrefillResults:
+def run(model, tokenizer, *, new_tokens=(1, 16, 64), repeats: int = 3, seed: int = 0, progress=None) -> PrefillResults:
     lengths = [round(64 * (1000 / 64) ** (i / 7)) for i in range(8)]
     ids, mask = mixed_prompts(tokenizer, lengths, seed)
     width = ids.shape[1]

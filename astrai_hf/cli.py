@@ -206,7 +206,7 @@ def _bench(model, tokenizer, out_dir, suite: str = "all", plot_path=None) -> int
         return bench_prefill.to_markdown(results, env), {"env": env, **bench_prefill.as_dict(results)}
 
     # suite: (runner, progress steps, file stem); the stems are what astrai_hf.plots.load_results reads
-    suites = {"decode": (decode, 2, "bench"), "prefix": (prefix, 3, "prefix"), "prefill": (prefill, 6, "prefill")}
+    suites = {"decode": (decode, 2, "bench"), "prefix": (prefix, 3, "prefix"), "prefill": (prefill, 9, "prefill")}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     collected = {}
