@@ -29,11 +29,12 @@ class _Rows:
         self.req_rows: list[int] = []
         self.pages: list[list[int]] = []
         self.known: list[int] = []
+        self.insert_on_release = True  # offer the pages to the prefix cache on release
 
     def release(self) -> None:
         pool = self.pool
         try:
-            if pool.prefix_cache is not None:
+            if pool.prefix_cache is not None and self.insert_on_release:
                 self._insert_into_prefix_cache()
         finally:
             for pages in self.pages:
@@ -87,6 +88,7 @@ class PagedCache(Cache):
     """
 
     is_compileable = False  # True makes generate() build 4D masks and torch.compile the forward
+    stock_attention = False  # a patched model runs its own attention on this cache (set for output_attentions)
     is_croppable = True
 
     def __init__(
@@ -620,12 +622,16 @@ def left_padding(attention_mask: torch.Tensor) -> list[int]:
         raise ValueError(f"attention_mask must be [batch, seq_len], got shape {tuple(attention_mask.shape)}")
     mask = attention_mask.to(torch.bool)
     pads = (~mask).sum(-1)
+    empty = (pads == mask.shape[1]).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs at least one")
     expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pads[:, None]
     if not torch.equal(mask, expected):
         bad = (mask != expected).any(-1).nonzero().flatten().tolist()
         raise ValueError(
             f"attention_mask rows {bad} are not left-padded (zeros must come before all ones); "
-            "use tokenizer.padding_side = 'left'"
+            "use tokenizer.padding_side = 'left'. Without an attention_mask, generate() masks every pad_token_id "
+            "in the prompt: a pad token inside a prompt makes the same hole, so pass the attention_mask"
         )
     return pads.tolist()
 

@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ class PatchState:
     prefill_chunk_tokens: int | None = None
     cuda_graphs: bool = False
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
+    # one paged generate() / forward at a time per model: calls from several threads run one after another
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 def patch(
@@ -254,13 +257,18 @@ def _wrap_forward(model, forward, state: PatchState):
     # position_ids and logits_to_keep.
     @functools.wraps(forward)
     def paged_forward(*args, **kwargs):
+        with state.lock:
+            return _paged_forward(*args, **kwargs)
+
+    def _paged_forward(*args, **kwargs):
         cache = _find_cache(kwargs)
-        if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False:
+        if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
         if id(cache.pool) not in state.checked_pools:
             cache.pool.check_model(model)
-            cache.pool.bind_model(model)
             state.checked_pools.add(id(cache.pool))
+        if cache.pool.model is not model:  # another model shares the pool: its cached prefixes are not ours
+            cache.pool.bind_model(model)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         B, q = inputs.shape[:2]
@@ -302,6 +310,10 @@ def _wrap_forward(model, forward, state: PatchState):
 def _wrap_generate(model, generate, state: PatchState):
     @functools.wraps(generate)
     def paged_generate(*args, **kwargs):
+        with state.lock:
+            return _paged_generate(*args, **kwargs)
+
+    def _paged_generate(*args, **kwargs):
         config = kwargs.get("generation_config") or model.generation_config
         if (
             _find_cache(kwargs) is not None
@@ -311,6 +323,7 @@ def _wrap_generate(model, generate, state: PatchState):
             return generate(*args, **kwargs)
         pool, cache, failed = state.pool, None, None
         try:
+            pool.check_weights(model)  # another model's K/V, or weights changed in place: no stale prefix hits
             cache = _cache_for(pool, args, kwargs, config)
         except Exception as e:
             failed = e
@@ -341,7 +354,22 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
             input_ids = attention_mask = None  # only the new columns were passed; nothing to match
     else:
         input_ids = attention_mask = None
-    return PagedCache(pool, input_ids, attention_mask)
+    # Candidate generation (prompt lookup, assistant models) crops and re-verifies tokens; outputs of every
+    # prompt position (hidden states, attentions) need the whole prompt computed. Neither reads nor fills the
+    # prefix cache.
+    plain = not (_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
+                 or _get(kwargs, config, "assistant_early_exit") or _get(kwargs, config, "output_hidden_states")
+                 or _get(kwargs, config, "output_attentions"))
+    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain)
+    cache._rows.insert_on_release = plain
+    # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
+    # unpatched model does (paged attention returns no weights)
+    cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
+    return cache
+
+
+def _get(kwargs: dict, config, name: str):
+    return kwargs[name] if name in kwargs else getattr(config, name, None)
 
 
 def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor | None:
@@ -367,7 +395,13 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> 
     if max_new is not None:
         total = prompt_len + max_new
     else:
-        total = kwargs.get("max_length", config.max_length) - min(pads)
+        max_length = kwargs.get("max_length", config.max_length)
+        if max_length is None:  # neither given: generate() falls back to its default (20)
+            from transformers import GenerationConfig
+
+            defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+            max_length = defaults.get("max_length") or 20
+        total = max_length - min(pads)
     if total > pool.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "

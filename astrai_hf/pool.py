@@ -110,6 +110,7 @@ class PagePool:
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         self._model_ref = None
         self._model_fingerprint: str | None = None
+        self._weights_version: int | None = None
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs) -> "PagePool":
@@ -287,6 +288,27 @@ class PagePool:
             dropped = self.clear_prefix_cache()
             logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
         self._model_ref, self._model_fingerprint = weakref.ref(model), digest
+        self._weights_version = _weights_version(model)
+
+    def check_weights(self, model: torch.nn.Module) -> None:
+        """Bind ``model`` if the pool holds another model's K/V, and drop the cached prefixes if the bound model's
+        weights changed in place since they were computed (an optimizer step, ``load_state_dict``, any in-place
+        op on a parameter). Called by a patched ``generate()`` before it looks a prompt up.
+
+        In-place changes are seen through each parameter's version counter, so writes through ``param.data``
+        (which bypass it) are not; call :meth:`clear_prefix_cache` after those.
+        """
+        if self.model is not model:
+            self.bind_model(model)
+            return
+        version = _weights_version(model)
+        if self._weights_version is not None and version != self._weights_version:
+            dropped = self.clear_prefix_cache()
+            logger.info("the model's weights changed in place: dropped %d cached prefix pages", dropped)
+            from .persist import weights_fingerprint
+
+            self._model_fingerprint = weights_fingerprint(model)
+        self._weights_version = version
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -439,3 +461,7 @@ def _free_bytes(device: torch.device) -> int:
 
     return psutil.virtual_memory().available
 
+
+def _weights_version(model: torch.nn.Module) -> int:
+    """The sum of the parameters' version counters: it grows with every in-place change of any parameter."""
+    return sum(p._version for p in model.parameters())

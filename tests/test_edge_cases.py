@@ -1,0 +1,144 @@
+"""Inputs from the field's bug reports that once broke the promise (same tokens as stock, clear errors, no stale
+K/V): generate() with no length, candidate generation after a prefix hit, two models on one pool, weights changed in
+place, several threads, outputs of every position, and masks generate() cannot serve left-padded."""
+
+import threading
+
+import pytest
+import torch
+
+import astrai_hf
+from astrai_hf import PagePool
+from tiny_models import VOCAB, left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.equivalence
+
+
+def _used(model):
+    return astrai_hf.get_pool(model).stats()["num_used_pages"]
+
+
+def test_generate_with_no_length_argument():
+    model = tiny_model("llama")
+    model.generation_config.max_length = model.generation_config.max_new_tokens = None
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(input_ids=ids, do_sample=False)
+    with astrai_hf.patched(model):
+        assert torch.equal(model.generate(input_ids=ids, do_sample=False), ref)
+        assert _used(model) == 0
+
+
+@pytest.mark.parametrize("candidates", ["prompt_lookup", "assistant_model"])
+def test_candidate_generation_after_a_prefix_hit(candidates):
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(5))
+    extra = {"prompt_lookup": dict(prompt_lookup_num_tokens=2),
+             "assistant_model": dict(assistant_model=tiny_model("llama", seed=1))}[candidates]
+    kw = dict(do_sample=False, max_new_tokens=12, **extra)
+    ref = model.generate(x, **kw)
+    with astrai_hf.patched(model, page_size=4):
+        model.generate(x[:, :5], do_sample=False, max_new_tokens=1)  # caches a prefix of the prompt
+        model.generate(x, do_sample=False, max_new_tokens=12)  # and the whole prompt
+        for _ in range(3):
+            assert torch.equal(model.generate(x, **kw), ref)
+        assert torch.equal(model.generate(x, do_sample=False, max_new_tokens=12),
+                           model.generate(x, do_sample=False, max_new_tokens=12))
+        assert _used(model) == 0
+
+
+def test_two_models_on_one_pool_never_share_kv():
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids, mask = left_padded_batch([7, 12], seed=2)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=8)
+    ref_a, ref_b = a.generate(ids, **kw), b.generate(ids, **kw)
+    pool = PagePool.from_model(a, max_tokens=1024, page_size=4)
+    astrai_hf.patch(a, pool=pool)
+    astrai_hf.patch(b, pool=pool)
+    try:
+        for _ in range(2):
+            assert torch.equal(a.generate(ids, **kw), ref_a)
+            assert torch.equal(b.generate(ids, **kw), ref_b)
+    finally:
+        astrai_hf.unpatch(a)
+        astrai_hf.unpatch(b)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_weights_changed_in_place_drop_the_prefix_cache():
+    model = tiny_model("llama")
+    x = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))
+    kw = dict(do_sample=False, max_new_tokens=8)
+    astrai_hf.patch(model, page_size=4)
+    try:
+        model.generate(x, **kw)
+        assert astrai_hf.get_pool(model).stats()["num_cached_pages"] > 0
+        with torch.no_grad():  # an optimizer step
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        out = model.generate(x, **kw)
+        hits = astrai_hf.get_pool(model).stats()["prefix_hit_tokens"]
+    finally:
+        astrai_hf.unpatch(model)
+    assert torch.equal(out, model.generate(x, **kw))
+    assert hits == 0
+
+
+def test_generate_from_several_threads():
+    model = tiny_model("llama")
+    batches = [left_padded_batch([5 + i, 9, 3 + i], seed=i) for i in range(4)]
+    kw = dict(do_sample=False, max_new_tokens=20)
+    refs = [model.generate(ids, attention_mask=mask, **kw) for ids, mask in batches]
+    implementation = model.config._attn_implementation
+    astrai_hf.patch(model, max_tokens=4096, page_size=4)
+    results = [None] * 4
+
+    def work(i):
+        try:
+            results[i] = model.generate(batches[i][0], attention_mask=batches[i][1], **kw)
+        except Exception as e:  # recorded, checked below
+            results[i] = e
+
+    try:
+        for _ in range(2):
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert all(isinstance(r, torch.Tensor) and torch.equal(r, ref) for r, ref in zip(results, refs)), results
+            assert _used(model) == 0
+    finally:
+        astrai_hf.unpatch(model)
+    assert model.config._attn_implementation == implementation
+    assert torch.equal(model.generate(batches[0][0], attention_mask=batches[0][1], **kw), refs[0])
+
+
+def test_attentions_and_hidden_states_of_every_position():
+    model = tiny_model("llama", attn_implementation="eager")
+    x = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    kw = dict(do_sample=False, max_new_tokens=3, return_dict_in_generate=True, output_hidden_states=True,
+              output_attentions=True)
+    ref = model.generate(x, **kw)
+    with astrai_hf.patched(model, page_size=4):
+        model.generate(x, do_sample=False, max_new_tokens=3)  # a cached prefix must not shorten the outputs
+        out = model.generate(x, **kw)
+        assert _used(model) == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    for got, want in zip(out.attentions, ref.attentions):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    for got, want in zip(out.hidden_states, ref.hidden_states):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_masks_that_are_not_left_padded_get_clear_errors():
+    model = tiny_model("llama")
+    with astrai_hf.patched(model):
+        with pytest.raises(ValueError, match=r"rows \[1\] have no tokens"):
+            model.generate(torch.tensor([[5, 6, 7], [0, 0, 0]]), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]),
+                           max_new_tokens=2)
+        with pytest.raises(ValueError, match="pad token inside a prompt"):
+            model.generate(torch.tensor([[5, 6, 0, 7, 8]]), max_new_tokens=2)  # pad id 0 inside, no mask
+        assert _used(model) == 0
