@@ -622,9 +622,6 @@ def left_padding(attention_mask: torch.Tensor) -> list[int]:
         raise ValueError(f"attention_mask must be [batch, seq_len], got shape {tuple(attention_mask.shape)}")
     mask = attention_mask.to(torch.bool)
     pads = (~mask).sum(-1)
-    empty = (pads == mask.shape[1]).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs at least one")
     expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pads[:, None]
     if not torch.equal(mask, expected):
         bad = (mask != expected).any(-1).nonzero().flatten().tolist()

@@ -347,6 +347,10 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     attention_mask = kwargs.get("attention_mask")
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+        if attention_mask is not None and attention_mask.shape == input_ids.shape:
+            empty = (attention_mask == 0).all(-1).nonzero().flatten().tolist()
+            if empty:
+                raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
         _check_length(input_ids, attention_mask, kwargs, config, pool)
         if attention_mask is None:
             attention_mask = _implied_mask(input_ids, kwargs, config)
