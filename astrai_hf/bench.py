@@ -93,7 +93,7 @@ def _run(model, ids, mask, new_tokens: int, make_cache, timer: StepTimer | None 
         kwargs["cache_implementation"] = "static"
         cache = None
     if cache is not None:
-        kwargs[_cache_kwarg(model)] = cache
+        kwargs[cache_kwarg(model)] = cache
     kwargs["return_dict_in_generate"] = True
     start = time.perf_counter()
     out = model.generate(ids, **kwargs)
@@ -103,9 +103,6 @@ def _run(model, ids, mask, new_tokens: int, make_cache, timer: StepTimer | None 
     if isinstance(cache, PagedCache):
         cache.release()
     return out.sequences, elapsed, nbytes
-
-
-_cache_kwarg = cache_kwarg
 
 
 def measure(model, ids, mask, new_tokens: int, label: str, pool: PagePool) -> list[Row]:

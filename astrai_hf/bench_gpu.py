@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .bench import StepTimer, cache_kwarg, environment
+from .bench import StepTimer, environment
+from .bench_prefill import generate_batch_runner
 
 # SmolLM2-135M-Instruct's architecture (the embedded model's config.json, architecture fields only)
 SMOLLM2_135M = dict(
@@ -184,26 +185,18 @@ def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, 
 
 
 def _generate_batch(model, ids, new_tokens: int, device):
-    try:
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    except ImportError:
-        return None
-    if not hasattr(model, "generate_batch"):
-        return None
+    """``generate_batch`` on the rows of ``ids`` (no padding): ([B, new_tokens] tokens, seconds), or None."""
     prompts = ids.tolist()
-    cb = ContinuousBatchingConfig(page_size=16, num_blocks=max(256, len(prompts) * (len(prompts[0]) + new_tokens) // 16 + 64),
-                                  max_batch_tokens=4096)
-    gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                          pad_token_id=model.config.pad_token_id)
-    model.generate_batch(prompts[:1], generation_config=gc, continuous_batching_config=cb)  # warm-up
+    run = generate_batch_runner(model, model.config.pad_token_id, prompts,
+                                num_blocks=max(256, len(prompts) * (len(prompts[0]) + new_tokens) // 16 + 64))
+    if run is None:
+        return None
+    run(1)  # warm-up
     _sync(device)
     start = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
+    rows = run(new_tokens)
     _sync(device)
-    seconds = time.perf_counter() - start
-    rows = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
-    return torch.tensor(rows), seconds
+    return torch.tensor(rows), time.perf_counter() - start
 
 
 def prefill_suite(model, batch: int, new_tokens: int, device: str, results: Results) -> None:
@@ -237,21 +230,10 @@ def prefill_suite(model, batch: int, new_tokens: int, device: str, results: Resu
         out, t = timed(lambda: model.generate(ids, **kw)[:, width:].cpu())
     results.prefill["PagedCache, packed prefill"] = {"seconds": t, "same_tokens": bool(torch.equal(out, ref))}
     real = [ids[r, width - n:] for r, n in enumerate(lengths)]
-    if hasattr(model, "generate_batch"):
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        cb = ContinuousBatchingConfig(page_size=16, num_blocks=batch * (width + new_tokens) // 16 + 64,
-                                      max_batch_tokens=8192)
-        gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=model.config.pad_token_id)
-        prompts = [r.tolist() for r in real]
-
-        def run_gb():
-            o = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
-            return torch.tensor([o[k].generated_tokens for k in sorted(o, key=lambda k: int(k.rsplit("_", 1)[-1]))])
-
-        out, t = timed(run_gb)
+    run = generate_batch_runner(model, model.config.pad_token_id, [r.tolist() for r in real],
+                                num_blocks=batch * (width + new_tokens) // 16 + 64, max_batch_tokens=8192)
+    if run is not None:
+        out, t = timed(lambda: torch.tensor(run(new_tokens)))
         results.prefill["generate_batch"] = {"seconds": t, "same_tokens": bool(torch.equal(out, ref))}
     results.prefill["_shape"] = {"batch": batch, "new_tokens": new_tokens, "lengths": lengths}
 

@@ -29,9 +29,12 @@ class PrefillResults:
     repeats: int
 
 
-def _generate_batch_runner(model, tokenizer, prompts: list[list[int]]):
-    """A callable running transformers' continuous batching on ``prompts``, or None where this transformers
-    release lacks it."""
+def generate_batch_runner(model, pad_token_id: int | None, prompts: list[list[int]], *, num_blocks: int = 2048,
+                          max_batch_tokens: int = 4096):
+    """A callable ``run(new_tokens) -> [B, new_tokens]`` token lists running transformers' continuous batching
+    (``generate_batch``, greedy, no EOS) on ``prompts``, or None where this transformers release lacks it.
+    ``num_blocks`` pages of 16 tokens and ``max_batch_tokens`` are set explicitly: auto-sizing probes the host's
+    RAM and takes seconds on a CPU."""
     try:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -41,10 +44,9 @@ def _generate_batch_runner(model, tokenizer, prompts: list[list[int]]):
         return None
 
     def run(new_tokens: int) -> list[list[int]]:
-        # sizes set explicitly: auto-sizing probes the host's RAM and takes seconds on CPU
-        cb = ContinuousBatchingConfig(page_size=16, num_blocks=2048, max_batch_tokens=4096)
+        cb = ContinuousBatchingConfig(page_size=16, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
         gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+                              eos_token_id=None, pad_token_id=pad_token_id)
         out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
         return [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
 
@@ -73,7 +75,7 @@ def run(model, tokenizer, *, new_tokens=(1, 16, 64), repeats: int = 3, seed: int
         "astrai-hf, packed prefill": lambda n: paged(n, True),
         "astrai-hf, padded rectangle": lambda n: paged(n, False),
     }
-    batch_runner = _generate_batch_runner(model, tokenizer, prompts)
+    batch_runner = generate_batch_runner(model, tokenizer.pad_token_id, prompts)
     if batch_runner is not None:
         methods["generate_batch (continuous batching)"] = lambda n: torch.tensor(batch_runner(n))
     stock(2)  # warm-up

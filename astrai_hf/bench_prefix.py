@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from .bench import _cache_kwarg, mixed_prompts
+from .bench import mixed_prompts
+from .cache import cache_kwarg
 from .patch import get_pool, patch, unpatch
 from .pool import PagePool
 
@@ -64,7 +65,7 @@ def measure_ttft(model, tokenizer, repeats: int = 5, seed: int = 0):
     base_ids, _ = mixed_prompts(tokenizer, [1000], seed)
     suffixes = [mixed_prompts(tokenizer, [24], seed + 1 + i)[0] for i in range(repeats)]
     gen = dict(max_new_tokens=1, do_sample=False)
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     with torch.no_grad():
         shared = DynamicCache(config=model.config)
         model(base_ids, **{kw: shared})

@@ -77,8 +77,8 @@ class PagedCache(Cache):
         attention_mask: [B, L] 0/1, optional: the prompt's left padding. Without it a one-row prompt is taken as
             unpadded; a batch without it is not matched, and its padding is read from the 2D attention mask of a
             patched forward, else from ``position_ids`` (transformers >= 5.24), else every column is stored.
-        prefix_cache: look the prompt up in the pool's prefix cache (default True; no effect on a pool built with
-            ``prefix_cache=False``).
+        prefix_cache: take part in the pool's prefix cache: look the prompt up, and offer the pages to it on
+            release (default True; no effect on a pool built with ``prefix_cache=False``).
 
     Raises:
         TypeError: ``pool`` is not a PagePool.
@@ -106,6 +106,7 @@ class PagedCache(Cache):
         self.num_layers = pool.num_layers
         self.logical_len = 0
         self._rows = _Rows(pool)
+        self._rows.insert_on_release = prefix_cache
         self._finalizer = weakref.finalize(self, self._rows.release)
         self._num_pad: list[int] | None = None
         self._prompt_pads: list[int] | None = None

@@ -365,7 +365,6 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
                  or _get(kwargs, config, "assistant_early_exit") or _get(kwargs, config, "output_hidden_states")
                  or _get(kwargs, config, "output_attentions"))
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain)
-    cache._rows.insert_on_release = plain
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))

@@ -22,10 +22,7 @@ def _generate(model, ids, mask, seed=0, **kwargs):
     return model.generate(ids, attention_mask=mask, **kwargs)
 
 
-def _cache_kwarg(model):
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+_cache_kwarg = astrai_hf.cache_kwarg
 
 
 @pytest.fixture(scope="module", params=ARCHS)
