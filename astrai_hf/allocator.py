@@ -58,6 +58,37 @@ class PageAllocator:
             self._ref_counts[p] = 1
         return pages
 
+    def alloc_runs(self, sizes: list[int]) -> list[list[int]] | None:
+        """Take one run of consecutive page ids per entry of ``sizes`` (first fit over the free ids), each page
+        with ref count 1; None, taking nothing, when the free ids hold no such runs.
+
+        A row whose tokens lie in consecutive slots can be read by attention as a view of the pool, without a
+        gather. O(F log F) for F free pages; meant for a row's first allocation, not for every step.
+        """
+        if any(n <= 0 for n in sizes):
+            raise ValueError(f"run sizes must be positive, got {sizes}")
+        if sum(sizes) > len(self._free):
+            return None
+        segments = []  # [start, length] of maximal runs of free ids, ascending
+        for p in sorted(self._free):
+            if segments and segments[-1][0] + segments[-1][1] == p:
+                segments[-1][1] += 1
+            else:
+                segments.append([p, 1])
+        runs = []
+        for n in sizes:
+            seg = next((s for s in segments if s[1] >= n), None)
+            if seg is None:
+                return None
+            runs.append(list(range(seg[0], seg[0] + n)))
+            seg[0] += n
+            seg[1] -= n
+        taken = {p for run in runs for p in run}
+        self._free = [p for p in self._free if p not in taken]
+        for p in taken:
+            self._ref_counts[p] = 1
+        return runs
+
     def incref(self, pages: Iterable[int]) -> None:
         """Add one reference to each (already allocated) page.
 

@@ -110,7 +110,8 @@ def measure(model, ids, mask, new_tokens: int, label: str, pool: PagePool) -> li
     setups = {
         "DynamicCache": lambda: None,
         "StaticCache": lambda: "static",
-        "PagedCache (patched)": lambda: PagedCache(pool),
+        # what a patched generate() builds itself: room for the new tokens next to each prompt
+        "PagedCache (patched)": lambda: PagedCache(pool, reserve_new_tokens=new_tokens),
     }
     rows, reference = [], None
     for name, make in setups.items():

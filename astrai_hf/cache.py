@@ -29,6 +29,8 @@ class _Rows:
         self.req_rows: list[int] = []
         self.pages: list[list[int]] = []
         self.known: list[int] = []
+        # reserved[r]: pages taken for row r's next tokens, following its last page, not yet holding any token
+        self.reserved: list[list[int]] = []
         self.insert_on_release = True  # offer the pages to the prefix cache on release
 
     def release(self) -> None:
@@ -39,8 +41,33 @@ class _Rows:
         finally:
             for pages in self.pages:
                 pool.allocator.decref(pages)
+            self.drop_reserved()
             pool.req_to_token.free(self.req_rows)
             self.req_rows, self.pages, self.known = [], [], []
+
+    def drop_reserved(self) -> None:
+        """Give the reserved pages back to the pool (the rows keep what they hold)."""
+        for pages in self.reserved:
+            self.pool.allocator.decref(pages)
+        self.reserved = [[] for _ in self.req_rows]
+
+    def take(self, r: int, num: int) -> list[int]:
+        """``num`` pages for row ``r``'s next tokens: its reserved pages first, then any free ones."""
+        pages = self.reserved[r][:num]
+        del self.reserved[r][:num]
+        if len(pages) < num:
+            pages += self.pool.allocator.alloc(num - len(pages))
+        return pages
+
+    def contiguous_starts(self) -> list[int | None]:
+        """Per row, the slot of its token 0 when all its pages are consecutive page ids (its tokens then occupy
+        consecutive slots), else None."""
+        ps = self.pool.page_size
+        return [
+            pages[0] * ps if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(
+                range(pages[0], pages[-1] + 1)) else None
+            for pages in self.pages
+        ]
 
     def _insert_into_prefix_cache(self) -> None:
         todo = [(r, n) for r, n in enumerate(self.known) if n > 0]
@@ -79,11 +106,18 @@ class PagedCache(Cache):
             patched forward, else from ``position_ids`` (transformers >= 5.24), else every column is stored.
         prefix_cache: take part in the pool's prefix cache: look the prompt up, and offer the pages to it on
             release (default True; no effect on a pool built with ``prefix_cache=False``).
+        reserve_new_tokens: tokens each row is expected to grow past its prompt (a patched ``generate()`` passes
+            its number of new tokens). A row's first pages are taken as one run of consecutive page ids, and with
+            this set, the run also covers that many more tokens, when the pool has them free (free pages only:
+            nothing cached is evicted for it). A row whose tokens sit in consecutive slots is read by attention as
+            a view of the pool, without a gather. Reserved pages return to the pool on release, when rows are
+            reordered, selected or cropped, and count as used meanwhile (default 0).
 
     Raises:
         TypeError: ``pool`` is not a PagePool.
-        ValueError: the prompt is longer than ``pool.max_seq_len``, ``attention_mask`` is not left-padded or does
-            not have the shape of ``input_ids``.
+        ValueError: ``input_ids`` has no row, the prompt is longer than ``pool.max_seq_len``, ``attention_mask``
+            is not left-padded or does not have the shape of ``input_ids``, ``reserve_new_tokens`` is not a
+            non-negative int.
         CacheFullError: a prefix hit needs more request rows than the pool has free.
     """
 
@@ -98,10 +132,14 @@ class PagedCache(Cache):
         attention_mask: torch.Tensor | None = None,
         *,
         prefix_cache: bool = True,
+        reserve_new_tokens: int = 0,
     ):
         # Cache.__init__ is not called: it requires per-layer objects, and this cache keeps none.
         if not isinstance(pool, PagePool):
             raise TypeError(f"PagedCache needs a PagePool, got {type(pool).__name__}")
+        if isinstance(reserve_new_tokens, bool) or not isinstance(reserve_new_tokens, int) or reserve_new_tokens < 0:
+            raise ValueError(f"reserve_new_tokens must be a non-negative int, got {reserve_new_tokens!r}")
+        self.reserve_new_tokens = reserve_new_tokens
         self.pool = pool
         self.num_layers = pool.num_layers
         self.logical_len = 0
@@ -122,6 +160,8 @@ class PagedCache(Cache):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         B, L = input_ids.shape
+        if B == 0:
+            raise ValueError(f"input_ids of shape {(B, L)} holds no prompt; pass at least one row")
         pads = [0] * B
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (B, L):
@@ -181,6 +221,7 @@ class PagedCache(Cache):
         for pages in rows.pages:
             pool.allocator.incref(pages)  # locked before this call allocates anything
         rows.known = list(use)
+        rows.reserved = [[] for _ in req_rows]
         pool.counters["prefix_hit_tokens"] += sum(use)
         w_rows, w_cols, w_slots, w_ids = [], [], [], []
         for r, u in enumerate(use):
@@ -308,12 +349,14 @@ class PagedCache(Cache):
             rows.req_rows = pool.req_to_token.alloc(Bp)
             rows.pages = [[] for _ in range(Bp)]
             rows.known = [0] * Bp
+            rows.reserved = [[] for _ in range(Bp)]
         alloc = pool.allocator
         cow = [
             seq[r] > prev[r] and prev[r] % ps != 0 and alloc.ref_count(rows.pages[r][prev[r] // ps]) > 1
             for r in range(Bp)
         ]
-        needed = sum(-(-seq[r] // ps) - len(rows.pages[r]) + cow[r] for r in range(Bp))
+        grows = [max(0, -(-seq[r] // ps) - len(rows.pages[r])) for r in range(Bp)]
+        needed = sum(max(0, grows[r] - len(rows.reserved[r])) + cow[r] for r in range(Bp))
         try:
             pool.reserve(needed)
         except CacheFullError as e:
@@ -323,6 +366,7 @@ class PagedCache(Cache):
                 e.needed, e.free, e.evictable,
                 detail=f"{B} rows, step of {q} tokens, page_size={ps}, num_pages={alloc.num_usable}",
             ) from None
+        self._reserve_runs(grows, seq, needed, group)
         w_rows, w_cols, w_slots, new_slots, src = [], [], [], [], []
         new_rows, new_cols, id_rows, id_cols, id_vals = [], [], [], [], []
         known = list(rows.known)
@@ -338,9 +382,8 @@ class PagedCache(Cache):
                 alloc.decref([old])
                 pages[p0 // ps] = new
                 first = p0 - p0 % ps  # the copied tokens get new slots in the table too
-            grow = -(-s0 // ps) - len(pages)
-            if grow > 0:
-                pages.extend(alloc.alloc(grow))
+            if grows[r] > 0:
+                pages.extend(rows.take(r, grows[r]))
             slots = [pages[i // ps] * ps + i % ps for i in range(first, s0)]
             req_row = rows.req_rows[r]
             w_rows.extend([req_row] * len(slots))
@@ -393,7 +436,32 @@ class PagedCache(Cache):
             slot_mapping=slot_mapping,
             write_src=write_src,
             group=group,
+            row_starts=rows.contiguous_starts(),
         )
+
+    def _reserve_runs(self, grows: list[int], seq: list[int], needed: int, group: int) -> None:
+        """Give each row that holds no page yet one run of consecutive pages: what this step needs, plus room for
+        ``reserve_new_tokens`` more when that many pages are free beyond the step's ``needed``. Nothing happens
+        when the free pages hold no such runs (the rows then take scattered pages)."""
+        rows, pool = self._rows, self.pool
+        ps, alloc = pool.page_size, pool.allocator
+        fresh = [r for r, g in enumerate(grows) if g > 0 and not rows.pages[r] and not rows.reserved[r]]
+        if not fresh:
+            return
+        extra = [0] * len(fresh)
+        if self.reserve_new_tokens and group == 1:
+            prompts = self._prompt_ids if self._prompt_ids is not None and len(self._prompt_ids) == len(grows) else None
+            for i, r in enumerate(fresh):
+                prompt = max(seq[r], len(prompts[r]) if prompts is not None else 0)
+                total = -(-min(prompt + self.reserve_new_tokens, pool.max_seq_len) // ps)
+                extra[i] = max(0, total - grows[r])
+            if sum(extra) > alloc.num_free - needed:
+                extra = [0] * len(fresh)
+        runs = alloc.alloc_runs([grows[r] + e for r, e in zip(fresh, extra)])
+        if runs is None and any(extra):
+            runs = alloc.alloc_runs([grows[r] for r in fresh])
+        for r, run in zip(fresh, runs or ()):
+            rows.reserved[r] = run
 
     def _find_padding(self, B, q, position_ids, attention_mask) -> list[int]:
         """Left-padding columns per row, from the best source available on the first step."""
@@ -548,6 +616,7 @@ class PagedCache(Cache):
             self._prompt_pads = [self._prompt_pads[i] for i in idx]
         if n_old == 0:
             return
+        rows.drop_reserved()
         old_rows = rows.req_rows
         extra = pool.req_to_token.alloc(len(idx) - n_old) if len(idx) > n_old else []
         new_rows = (old_rows + extra)[: len(idx)]
@@ -560,6 +629,7 @@ class PagedCache(Cache):
             pool.allocator.decref(pages)
         pool.req_to_token.free(old_rows[len(idx):])
         rows.req_rows, rows.pages, rows.known = new_rows, new_pages, [rows.known[i] for i in idx]
+        rows.reserved = [[] for _ in idx]
 
     def crop(self, max_length: int) -> None:
         """Drop the last ``-max_length`` columns (transformers 5.x: a count <= 0); a positive value keeps that
@@ -571,6 +641,7 @@ class PagedCache(Cache):
         keep = max(keep, 0)
         self.logical_len = keep
         rows, pool, ps = self._rows, self.pool, self.pool.page_size
+        rows.drop_reserved()
         for r, pages in enumerate(rows.pages):
             n = max(0, keep - self._num_pad[r])
             drop = pages[-(-n // ps):]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,17 @@ def page_bytes_by_device(
     for device in layer_devices:
         out[device] = out.get(device, 0) + per_layer
     return out
+
+
+def as_int(name: str, value) -> int:
+    """``value`` as a plain int: Python ints and integer scalars of numpy or torch (anything with ``__index__``)
+    pass; bools, floats and other types raise ``TypeError`` naming ``name`` and the value."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} (bool)")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
 
 
 def _itemsize(dtype: torch.dtype) -> int:

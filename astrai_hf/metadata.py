@@ -37,6 +37,9 @@ class StepMetadata:
             which the query holds back to back as one sequence ``[1, sum(qo_lens)]`` (``qo_indptr`` is their
             running sum, as in FlashInfer's ragged layout); rows, ``prev_lens`` and ``seq_lens`` then list only
             the rows that have queries.
+        row_starts: None, or per row the slot of its token 0 when its ``seq_lens[r]`` tokens occupy consecutive
+            slots (``[start, start + seq_lens[r])``), else None. Attention may then read the row's K/V as a view
+            of the pool instead of gathering them through the table.
     """
 
     q_len: int
@@ -50,6 +53,7 @@ class StepMetadata:
     write_src: torch.Tensor | None
     group: int = 1
     qo_lens: list[int] | None = None
+    row_starts: list[int | None] | None = None
     _views: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -90,6 +94,7 @@ class StepMetadata:
             slot_mapping=self.slot_mapping,
             write_src=None,
             qo_lens=[s - p for p, s in zip(prev, seq)],
+            row_starts=None if self.row_starts is None else self.row_starts[::g],
         )
 
     def chunk(self, start: int, end: int) -> "StepMetadata":
@@ -122,6 +127,7 @@ class StepMetadata:
             slot_mapping=self.slot_mapping[start:end],
             write_src=None,
             qo_lens=lens,
+            row_starts=None if self.row_starts is None else [self.row_starts[r] for r in rows],
         )
 
     @property
@@ -185,6 +191,7 @@ class StepMetadata:
             req_rows=self.req_rows.index_select(0, index),
             slot_mapping=self.slot_mapping[:0],
             write_src=None,
+            row_starts=None if self.row_starts is None else [self.row_starts[r] for r in rows],
         )
 
     def on(self, device: torch.device) -> "DeviceView":

@@ -346,12 +346,15 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
     found."""
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     attention_mask = kwargs.get("attention_mask")
+    new_tokens = 0
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+        if input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no prompt; pass at least one row")
         if attention_mask is not None and attention_mask.shape == input_ids.shape:
             empty = (attention_mask == 0).all(-1).nonzero().flatten().tolist()
             if empty:
                 raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
-        _check_length(input_ids, attention_mask, kwargs, config, pool)
+        new_tokens = _check_length(input_ids, attention_mask, kwargs, config, pool)
         if attention_mask is None:
             attention_mask = _implied_mask(input_ids, kwargs, config)
         elif attention_mask.shape != input_ids.shape:
@@ -364,7 +367,8 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
     plain = not (_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
                  or _get(kwargs, config, "assistant_early_exit") or _get(kwargs, config, "output_hidden_states")
                  or _get(kwargs, config, "output_attentions"))
-    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain)
+    # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
+    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens)
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
@@ -391,7 +395,9 @@ def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor
     return None
 
 
-def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> None:
+def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> int:
+    """Raise ValueError when the prompt plus the new tokens overflow ``pool.max_seq_len``; returns the number of
+    new tokens ``generate()`` may produce."""
     pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
     prompt_len = input_ids.shape[1] - min(pads)
     max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
@@ -410,3 +416,4 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> 
             f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "
             f"max_seq_len={pool.max_seq_len}; build a larger PagePool or lower max_new_tokens"
         )
+    return max(0, int(total) - prompt_len)

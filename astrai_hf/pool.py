@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
+import operator
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .allocator import PageAllocator
-from .config import KVSpec, PagePoolConfig, page_bytes_by_device
+from .config import KVSpec, PagePoolConfig, as_int, page_bytes_by_device
 from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
 from .prefix_cache import PrefixCache
@@ -72,12 +74,15 @@ class PagePool:
         process_group=None,
     ):
         spec = KVSpec.from_config(config)
+        # integer scalars of numpy / torch are accepted as sizes
+        page_size = as_int("page_size", page_size)
+        max_tokens = None if max_tokens is None else as_int("max_tokens", max_tokens)
+        max_seq_len = None if max_seq_len is None else as_int("max_seq_len", max_seq_len)
+        max_reqs = None if max_reqs is None else as_int("max_reqs", max_reqs)
         if num_kv_heads is not None:
-            if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+            if isinstance(num_kv_heads, bool) or not hasattr(num_kv_heads, "__index__") or num_kv_heads < 1:
                 raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
-            spec = dataclasses.replace(spec, num_kv_heads=num_kv_heads)
-        if isinstance(page_size, bool) or not isinstance(page_size, int):
-            raise TypeError(f"page_size must be an int, got {page_size!r}")
+            spec = dataclasses.replace(spec, num_kv_heads=operator.index(num_kv_heads))
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         dtype = _resolve_dtype(config) if dtype is None else dtype
@@ -436,10 +441,11 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
     if max_tokens is not None and memory_fraction is not None:
         raise ValueError(f"pass max_tokens ({max_tokens}) or memory_fraction ({memory_fraction}), not both")
     if memory_fraction is not None:
-        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
+        if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, numbers.Real):
             raise TypeError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        memory_fraction = float(memory_fraction)
         bytes_by_device = page_bytes_by_device(spec, page_size, dtype, layer_devices)
         pages = min(int(_free_bytes(d) * memory_fraction) // b for d, b in bytes_by_device.items())
         if pages < 1:

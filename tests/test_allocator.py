@@ -31,6 +31,34 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert FIRST <= p < NUM_PAGES
             self.refs[p] = 1
 
+    @rule(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    def allocate_runs(self, sizes):
+        free = set(range(FIRST, NUM_PAGES)) - set(self.refs)
+        # the model's answer: can first fit over the sorted free ids place every run?
+        segments, placeable = [], True
+        for p in sorted(free):
+            if segments and segments[-1][0] + segments[-1][1] == p:
+                segments[-1][1] += 1
+            else:
+                segments.append([p, 1])
+        for n in sizes:
+            seg = next((s for s in segments if s[1] >= n), None)
+            if seg is None:
+                placeable = False
+                break
+            seg[0], seg[1] = seg[0] + n, seg[1] - n
+        runs = self.alloc.alloc_runs(sizes)
+        if not placeable:
+            assert runs is None
+            assert set(self.alloc.free_pages()) == free  # nothing taken
+            return
+        assert [len(r) for r in runs] == sizes
+        for run in runs:
+            assert run == list(range(run[0], run[0] + len(run))), f"run {run} is not consecutive"
+            for p in run:
+                assert p in free and p not in self.refs, f"page {p} handed out twice"
+                self.refs[p] = 1
+
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
     def share(self, data):
@@ -79,3 +107,15 @@ def test_reserved_pages_are_never_handed_out():
     assert sorted(alloc.alloc(3)) == [1, 2, 3]
     with pytest.raises(CacheFullError, match="needed 1 pages, 0 free"):
         alloc.alloc(1)
+
+
+def test_alloc_runs_first_fit_and_refusal():
+    alloc = PageAllocator(10, first_page=1)
+    a = alloc.alloc_runs([3, 2])
+    assert a == [[1, 2, 3], [4, 5]]
+    alloc.decref([2])  # free ids: 2, 6, 7, 8, 9
+    assert alloc.alloc_runs([5]) is None and alloc.num_free == 5  # 5 free, but not consecutive: nothing taken
+    assert alloc.alloc_runs([3, 1]) == [[6, 7, 8], [2]]
+    assert alloc.ref_count(6) == 1 and alloc.num_free == 1
+    with pytest.raises(ValueError, match="positive"):
+        alloc.alloc_runs([0])

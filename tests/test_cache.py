@@ -195,3 +195,74 @@ def test_chunked_prefill(llama, chunk):
     finally:
         astrai_hf.unpatch(llama)
     assert pool.stats()["num_used_pages"] == 0
+
+
+def _decode_row_starts(monkeypatch) -> list:
+    """Record ``row_starts`` of every decode step's paged attention call."""
+    import astrai_hf.attention as attention
+
+    seen, original = [], attention.paged_attention
+
+    def spy(query, k_cache, v_cache, meta, **kw):
+        if meta.q_len == 1:
+            seen.append(meta.row_starts)
+        return original(query, k_cache, v_cache, meta, **kw)
+
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    return seen
+
+
+def test_generate_keeps_each_row_in_consecutive_slots(llama, monkeypatch):
+    """A patched generate() takes each row's pages as one run with room for its new tokens: every decode step reads
+    every row in place (no gather), tokens equal stock, and the reserved pages go back to the pool, also when the
+    free list was left out of order by earlier calls."""
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, prefix_cache=False)
+    seen = _decode_row_starts(monkeypatch)
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        for i, lengths in enumerate([[3, 9, 1, 13], [5, 2], [16, 4, 7]]):
+            ids, mask = left_padded_batch(lengths, seed=10 + i)
+            out = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=11)
+            assert pool.stats()["num_used_pages"] == 0
+            astrai_hf.unpatch(llama)
+            assert torch.equal(out, _stock(llama, ids, mask, max_new_tokens=11))
+            astrai_hf.patch(llama, pool=pool)
+    finally:
+        astrai_hf.unpatch(llama)
+    assert len(seen) == 3 * 10 * llama.config.num_hidden_layers
+    assert all(starts is not None and None not in starts for starts in seen)
+
+
+def test_reserved_pages_come_from_free_pages_only(llama):
+    """Room for new tokens is reserved only from free pages: a cached prefix is never evicted for it, and when the
+    room is not free the rows still get their prompt pages (as runs), without it."""
+    pool = PagePool.from_model(llama, max_tokens=24 * PAGE, page_size=PAGE)
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        ids, mask = left_padded_batch([30, 22], seed=4)
+        llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    finally:
+        astrai_hf.unpatch(llama)
+    before = pool.stats()
+    assert before["num_cached_pages"] > 0
+    ids, mask = left_padded_batch([6, 9], seed=5)
+    cache = PagedCache(pool, ids, mask, reserve_new_tokens=before["num_free_pages"] * PAGE)
+    step = cache.plan_step(2, ids.shape[1], attention_mask=mask, input_ids=ids, paged=True)
+    after = pool.stats()
+    assert after["evictions"] == before["evictions"] and after["num_cached_pages"] == before["num_cached_pages"]
+    assert after["num_used_pages"] == 2 + 3  # the prompts' pages, nothing reserved
+    assert None not in step.row_starts
+    cache.release()
+    cache = PagedCache(pool, ids, mask, reserve_new_tokens=7)
+    step = cache.plan_step(2, ids.shape[1], attention_mask=mask, input_ids=ids, paged=True)
+    assert pool.stats()["num_used_pages"] == -(-(6 + 7) // PAGE) + -(-(9 + 7) // PAGE)
+    assert None not in step.row_starts
+    cache.release()
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_reserve_new_tokens_is_checked(llama, bad):
+    pool = PagePool.from_model(llama, max_tokens=64, page_size=PAGE)
+    with pytest.raises(ValueError, match="reserve_new_tokens"):
+        PagedCache(pool, reserve_new_tokens=bad)

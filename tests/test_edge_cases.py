@@ -142,3 +142,14 @@ def test_masks_that_are_not_left_padded_get_clear_errors():
         with pytest.raises(ValueError, match="pad token inside a prompt"):
             model.generate(torch.tensor([[5, 6, 0, 7, 8]]), max_new_tokens=2)  # pad id 0 inside, no mask
         assert _used(model) == 0
+
+
+def test_an_empty_batch_gets_a_clear_error():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 5])
+    with astrai_hf.patched(model):
+        with pytest.raises(ValueError, match=r"shape \(0, 5\) holds no prompt"):
+            model.generate(ids[:0], attention_mask=mask[:0], max_new_tokens=2)
+        assert _used(model) == 0
+    with pytest.raises(ValueError, match="holds no prompt"):
+        astrai_hf.PagedCache(PagePool.from_model(model, max_tokens=64), ids[:0], mask[:0])

@@ -45,6 +45,8 @@ def test_memory_fraction_sizing(llama):
         (dict(dtype=torch.int8), TypeError, "dtype must be a floating"),
         (dict(device="nowhere"), ValueError, "'nowhere' is not a torch device"),
         (dict(num_kv_heads=0), ValueError, "num_kv_heads must be a positive int, got 0"),
+        (dict(max_reqs=True), TypeError, "max_reqs must be an int, got True"),
+        (dict(max_tokens="4096"), TypeError, "max_tokens must be an int, got '4096'"),
     ],
 )
 def test_bad_arguments_name_the_value(llama, kwargs, error, text):
@@ -81,3 +83,12 @@ def test_device_mismatch_is_a_value_error(llama):
 def test_paged_cache_needs_a_pool():
     with pytest.raises(TypeError, match="PagePool"):
         PagedCache(object())
+
+
+def test_integer_scalars_of_numpy_and_torch_are_sizes(llama):
+    import numpy as np
+
+    pool = PagePool(llama.config, max_tokens=np.int64(256), page_size=np.int32(4), max_reqs=torch.tensor(3),
+                    max_seq_len=np.uint16(64), memory_fraction=None)
+    assert (pool.page_size, pool.max_seq_len, pool.stats()["num_pages"]) == (4, 64, 64)
+    assert type(pool.page_size) is int and type(pool.config.max_reqs) is int

@@ -39,6 +39,13 @@ def paged_attention(
     Returns:
         [B, q_len, H, D], contiguous, in the query's dtype.
     """
+    if meta.q_len == 1 and meta.row_starts is not None:
+        in_place = [
+            r for r, (start, p, s) in enumerate(zip(meta.row_starts, meta.prev_lens, meta.seq_lens))
+            if start is not None and s == p + 1
+        ]
+        if in_place:
+            return _decode_in_place(query, k_cache, v_cache, meta, in_place, scaling, sliding_window, softcap)
     buckets = meta.buckets()
     if len(buckets) > 1:
         # rows of very different lengths: attend per group of similar rows, each over its own narrower rectangle
@@ -59,6 +66,34 @@ def paged_attention(
     values = v_cache.index_select(0, view.kv_slots).view(B, T, H_kv, D).transpose(1, 2)
     mask, is_causal = view.mask(sliding_window, need_explicit=softcap is not None)
     return _attend(query, keys, values, mask, is_causal, scaling, softcap).transpose(1, 2).contiguous()
+
+
+def _decode_in_place(query, k_cache, v_cache, meta, in_place, scaling, sliding_window, softcap) -> torch.Tensor:
+    """Decode step: rows ``in_place`` (one new token each, tokens in consecutive slots) attend over a view of the
+    pool, one call per row, with no gather and no mask; the other rows go through :func:`paged_attention`."""
+    B, H, _, D = query.shape
+    out = query.new_empty(B, 1, H, D)
+    for r in in_place:
+        k, v = _row_view(k_cache, v_cache, meta.row_starts[r], meta.seq_lens[r], sliding_window)
+        out[r] = _attend(query[r : r + 1], k, v, None, False, scaling, softcap)[0].transpose(0, 1)
+    if len(in_place) < B:
+        chosen = set(in_place)
+        rest = [r for r in range(B) if r not in chosen]
+        index = torch.tensor(rest, dtype=torch.long, device=query.device)
+        out[index] = paged_attention(
+            query.index_select(0, index), k_cache, v_cache, meta.select(rest),
+            scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+        )
+    return out
+
+
+def _row_view(k_cache, v_cache, start: int, seq_len: int, sliding_window: int | None):
+    """K/V of a row whose tokens occupy slots ``[start, start + seq_len)``, as views [1, H_kv, T, D] of the pool;
+    with a window, only the keys the row's last token sees (``t > seq_len - 1 - sliding_window``)."""
+    lo = max(0, seq_len - sliding_window) if sliding_window is not None else 0
+    k = k_cache[start + lo : start + seq_len].transpose(0, 1)[None]
+    v = v_cache[start + lo : start + seq_len].transpose(0, 1)[None]
+    return k, v
 
 
 def packed_paged_attention(
@@ -90,10 +125,14 @@ def packed_paged_attention(
     masks = view.row_masks(sliding_window, need_explicit=softcap is not None)
     out = query.new_empty(1, N, H, D)
     start = 0
+    starts = meta.row_starts or [None] * len(meta.seq_lens)
     for r, (n, T) in enumerate(zip(meta.qo_lens, meta.seq_lens)):
-        row = slots[r, :T]
-        keys = k_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
-        values = v_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
+        if starts[r] is not None:  # consecutive slots: a view of the pool
+            keys, values = _row_view(k_cache, v_cache, starts[r], T, None)
+        else:
+            row = slots[r, :T]
+            keys = k_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
+            values = v_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
         mask, is_causal = masks[r]
         part = _attend(query[:, :, start : start + n], keys, values, mask, is_causal, scaling, softcap)
         out[:, start : start + n] = part.transpose(1, 2)
@@ -111,6 +150,10 @@ def _attend(query, keys, values, mask, is_causal, scaling, softcap) -> torch.Ten
         scaling = D**-0.5
     if softcap is not None:
         return _softcapped(query, keys, values, mask, scaling, softcap, groups)
+    if groups > 1 and mask is None and q == 1 and not is_causal:
+        # one query per row sees every key: the query heads of a KV group become that group's query rows
+        out = F.scaled_dot_product_attention(query.reshape(B, H_kv, groups, D), keys, values, scale=scaling)
+        return out.reshape(B, H, 1, D)
     if groups > 1 and mask is None:
         return F.scaled_dot_product_attention(query, keys, values, is_causal=is_causal, scale=scaling, enable_gqa=True)
     if groups > 1:
@@ -128,7 +171,8 @@ def _softcapped(query, keys, values, mask, scaling, softcap, groups):
     keys, values = _repeat_kv(keys, groups), _repeat_kv(values, groups)
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(probs, values)
 
