@@ -123,6 +123,7 @@ class PagedCache(Cache):
 
     is_compileable = False  # True makes generate() build 4D masks and torch.compile the forward
     stock_attention = False  # a patched model runs its own attention on this cache (set for output_attentions)
+    verifies_candidates = False  # set by a patched generate() running prompt lookup or assisted decoding
     is_croppable = True
 
     def __init__(
@@ -342,8 +343,13 @@ class PagedCache(Cache):
         seq = [max(0, end - p) for p in self._num_pad]
         for r, s in enumerate(seq):
             if s > pool.max_seq_len:
+                hint = (
+                    "; prompt lookup and assisted decoding store candidate tokens past the generation length "
+                    "before verifying them, so leave the pool's max_seq_len room for them"
+                    if self.verifies_candidates else ""
+                )
                 raise ValueError(
-                    f"row {r} would hold {s} tokens, more than the pool's max_seq_len={pool.max_seq_len}"
+                    f"row {r} would hold {s} tokens, more than the pool's max_seq_len={pool.max_seq_len}{hint}"
                 )
         if not rows.req_rows:
             rows.req_rows = pool.req_to_token.alloc(Bp)

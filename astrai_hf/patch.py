@@ -364,14 +364,15 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
     # Candidate generation (prompt lookup, assistant models) crops and re-verifies tokens; outputs of every
     # prompt position (hidden states, attentions) need the whole prompt computed. Neither reads nor fills the
     # prefix cache.
-    plain = not (_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
-                 or _get(kwargs, config, "assistant_early_exit") or _get(kwargs, config, "output_hidden_states")
-                 or _get(kwargs, config, "output_attentions"))
+    candidates = bool(_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
+                      or _get(kwargs, config, "assistant_early_exit"))
+    plain = not (candidates or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens)
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
+    cache.verifies_candidates = candidates
     return cache
 
 

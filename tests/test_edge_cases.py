@@ -153,3 +153,15 @@ def test_an_empty_batch_gets_a_clear_error():
         assert _used(model) == 0
     with pytest.raises(ValueError, match="holds no prompt"):
         astrai_hf.PagedCache(PagePool.from_model(model, max_tokens=64), ids[:0], mask[:0])
+
+
+def test_candidates_past_max_seq_len_get_an_error_that_says_why():
+    """Prompt lookup verifies candidate tokens past the generation length; a pool with no room for them refuses
+    with an error that says so, and nothing is leaked."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 50, (1, 40), generator=torch.Generator().manual_seed(0)).repeat(1, 3)
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4, max_seq_len=124)
+    with astrai_hf.patched(model, pool=pool):
+        with pytest.raises(ValueError, match="max_seq_len=124; prompt lookup and assisted decoding store candidate"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=5)
+        assert _used(model) == 0
