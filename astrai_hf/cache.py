@@ -8,6 +8,7 @@ import weakref
 import torch
 from transformers import Cache
 
+from .config import as_count
 from .distributed import agree
 from .errors import CacheFullError
 from .metadata import StepMetadata
@@ -50,6 +51,7 @@ class _Rows:
         for pages in self.reserved:
             self.pool.allocator.decref(pages)
         self.reserved = [[] for _ in self.req_rows]
+        self.pool._reservations.discard(self)
 
     def take(self, r: int, num: int) -> list[int]:
         """``num`` pages for row ``r``'s next tokens: its reserved pages first, then any free ones."""
@@ -110,8 +112,9 @@ class PagedCache(Cache):
             its number of new tokens). A row's first pages are taken as one run of consecutive page ids, and with
             this set, the run also covers that many more tokens, when the pool has them free (free pages only:
             nothing cached is evicted for it). A row whose tokens sit in consecutive slots is read by attention as
-            a view of the pool, without a gather. Reserved pages return to the pool on release, when rows are
-            reordered, selected or cropped, and count as used meanwhile (default 0).
+            a view of the pool, without a gather. Reserved pages count as used; they return to the pool on
+            release, when rows are reordered, selected or cropped, and whenever a step of any cache finds the
+            pool short (before a cached prefix is evicted or ``CacheFullError`` raised) (default 0).
 
     Raises:
         TypeError: ``pool`` is not a PagePool.
@@ -138,9 +141,7 @@ class PagedCache(Cache):
         # Cache.__init__ is not called: it requires per-layer objects, and this cache keeps none.
         if not isinstance(pool, PagePool):
             raise TypeError(f"PagedCache needs a PagePool, got {type(pool).__name__}")
-        if isinstance(reserve_new_tokens, bool) or not isinstance(reserve_new_tokens, int) or reserve_new_tokens < 0:
-            raise ValueError(f"reserve_new_tokens must be a non-negative int, got {reserve_new_tokens!r}")
-        self.reserve_new_tokens = reserve_new_tokens
+        self.reserve_new_tokens = as_count("reserve_new_tokens", reserve_new_tokens, 0)
         self.pool = pool
         self.num_layers = pool.num_layers
         self.logical_len = 0
@@ -362,9 +363,16 @@ class PagedCache(Cache):
             for r in range(Bp)
         ]
         grows = [max(0, -(-seq[r] // ps) - len(rows.pages[r])) for r in range(Bp)]
-        needed = sum(max(0, grows[r] - len(rows.reserved[r])) + cow[r] for r in range(Bp))
+
+        def to_allocate() -> int:  # pages this step takes from the pool (beyond what its rows reserved)
+            return sum(max(0, grows[r] - len(rows.reserved[r])) + cow[r] for r in range(Bp))
+
+        needed = to_allocate()
         try:
             pool.reserve(needed)
+            if to_allocate() != needed:  # the pool took this cache's reserved pages back to make room
+                needed = to_allocate()
+                pool.reserve(needed)
         except CacheFullError as e:
             logger.info("KV pool full: a step of %d x %d tokens needs %d pages, %d free, %d evictable",
                         B, q, e.needed, e.free, e.evictable)
@@ -464,7 +472,9 @@ class PagedCache(Cache):
             if sum(extra) > alloc.num_free - needed:
                 extra = [0] * len(fresh)
         runs = alloc.alloc_runs([grows[r] + e for r, e in zip(fresh, extra)])
-        if runs is None and any(extra):
+        if runs is not None and any(extra):
+            pool._reservations.add(rows)  # the pool may take the room back when it runs short
+        elif runs is None and any(extra):
             runs = alloc.alloc_runs([grows[r] for r in fresh])
         for r, run in zip(fresh, runs or ()):
             rows.reserved[r] = run
@@ -667,6 +677,7 @@ class PagedCache(Cache):
         self.logical_len = 0
         self._num_pad = None
         self._prompt_ids = None
+        self._prompt_pads = None  # a reused cache learns the next prompt's padding afresh
         self._first_step_planned = False
         self._pending_known = None
         self._step = None

@@ -134,5 +134,21 @@ def as_int(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
 
 
+def as_count(name: str, value, minimum: int) -> int:
+    """``value`` as a plain int of at least ``minimum`` (integer scalars of numpy / torch accepted).
+
+    Raises:
+        ValueError: naming ``name`` and the value, for anything else.
+    """
+    try:
+        n = as_int(name, value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        kind = "positive" if minimum == 1 else "non-negative" if minimum == 0 else f">= {minimum}"
+        raise ValueError(f"{name} must be a {kind} int, got {value!r}")
+    return n
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

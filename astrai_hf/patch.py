@@ -15,6 +15,7 @@ import torch
 
 from . import attention, packing
 from .cache import PagedCache, cache_kwarg, left_padding
+from .config import as_count
 from .distributed import agree
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules
@@ -84,10 +85,8 @@ def patch(
             no attention modules with a ``layer_idx``.
         ValueError / TypeError: ``pool`` does not fit the model.
     """
-    if prefill_chunk_tokens is not None and (
-        isinstance(prefill_chunk_tokens, bool) or not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1
-    ):
-        raise ValueError(f"prefill_chunk_tokens must be a positive int or None, got {prefill_chunk_tokens!r}")
+    if prefill_chunk_tokens is not None:
+        prefill_chunk_tokens = as_count("prefill_chunk_tokens", prefill_chunk_tokens, 1)
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
         if pool is not None:

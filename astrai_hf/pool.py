@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
-import operator
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .allocator import PageAllocator
-from .config import KVSpec, PagePoolConfig, as_int, page_bytes_by_device
+from .config import KVSpec, PagePoolConfig, as_count, as_int, page_bytes_by_device
 from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
 from .prefix_cache import PrefixCache
@@ -80,9 +79,7 @@ class PagePool:
         max_seq_len = None if max_seq_len is None else as_int("max_seq_len", max_seq_len)
         max_reqs = None if max_reqs is None else as_int("max_reqs", max_reqs)
         if num_kv_heads is not None:
-            if isinstance(num_kv_heads, bool) or not hasattr(num_kv_heads, "__index__") or num_kv_heads < 1:
-                raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
-            spec = dataclasses.replace(spec, num_kv_heads=operator.index(num_kv_heads))
+            spec = dataclasses.replace(spec, num_kv_heads=as_count("num_kv_heads", num_kv_heads, 1))
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         dtype = _resolve_dtype(config) if dtype is None else dtype
@@ -116,6 +113,8 @@ class PagePool:
         self._model_ref = None
         self._model_fingerprint: str | None = None
         self._weights_version: int | None = None
+        # the page holders of live caches that hold reserved pages (room for tokens not yet written)
+        self._reservations: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs) -> "PagePool":
@@ -237,7 +236,9 @@ class PagePool:
 
     # ------------------------------------------------------------------ pages
     def reserve(self, num_pages: int) -> None:
-        """Make ``num_pages`` pages free, evicting cached-only pages (LRU, tail first) if needed.
+        """Make ``num_pages`` pages free: first by taking back the pages live caches reserved for tokens they have
+        not written yet (see ``PagedCache(reserve_new_tokens=...)``; their rows then grow page by page), then by
+        evicting cached-only pages (LRU, tail first).
 
         Raises:
             CacheFullError: even after evicting every cached-only page fewer than ``num_pages`` are free; nothing
@@ -246,6 +247,14 @@ class PagePool:
         free = self.allocator.num_free
         if num_pages <= free:
             return
+        if self._reservations:
+            for holder in list(self._reservations):
+                holder.drop_reserved()
+            logger.debug("KV pool pressure: %d pages wanted, %d free; took back %d reserved pages",
+                         num_pages, free, self.allocator.num_free - free)
+            free = self.allocator.num_free
+            if num_pages <= free:
+                return
         evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
         if num_pages > free + evictable:
             raise CacheFullError(num_pages, free, evictable)

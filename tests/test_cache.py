@@ -261,8 +261,65 @@ def test_reserved_pages_come_from_free_pages_only(llama):
     assert pool.stats()["num_used_pages"] == 0
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8", torch.tensor(2.0)])
 def test_reserve_new_tokens_is_checked(llama, bad):
     pool = PagePool.from_model(llama, max_tokens=64, page_size=PAGE)
-    with pytest.raises(ValueError, match="reserve_new_tokens"):
+    with pytest.raises(ValueError, match="reserve_new_tokens must be a non-negative int, got"):
         PagedCache(pool, reserve_new_tokens=bad)
+    import numpy as np
+
+    assert PagedCache(pool, reserve_new_tokens=np.int64(3)).reserve_new_tokens == 3
+
+
+def _eos_after(model, ids, mask, n):
+    """EOS ids that make every row stop after ``n`` new tokens (each row's n-th greedy token)."""
+    probe = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    return sorted(set(probe[:, -1].tolist()))
+
+
+def test_unused_reservations_go_back_before_a_row_runs_short(llama):
+    """Rows that stop early (EOS) never use their reserved room. Another row of the same call that had to grow page
+    by page (it met its first token in a later prefill chunk) takes that room back instead of failing: the call
+    fits exactly where it fits without reservations."""
+    ids = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [0, 0, 0, 0, 0, 0, 0, 0, 21, 22]])
+    mask = (ids != 0).long()
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, prefill_chunk_size=4,
+              eos_token_id=_eos_after(llama, ids, mask, 5))
+    ref = llama.generate(ids, **kw)
+    pool = PagePool.from_model(llama, max_tokens=8 * PAGE, page_size=PAGE, prefix_cache=False)
+    with astrai_hf.patched(llama, pool):
+        assert torch.equal(llama.generate(ids, **kw), ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_reservations_go_back_before_cached_prefixes_are_evicted(llama):
+    """A row that hits the prefix cache gets no reservation; when it runs short, the new row's unused room goes
+    back first, so no cached prefix is evicted for it."""
+    first = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18]])
+    turn = llama.generate(first, max_new_tokens=2, do_sample=False)[0].tolist() + [19]
+    other = [21, 22, 23]
+    ids = torch.tensor([turn, [0] * (len(turn) - len(other)) + other])
+    mask = torch.tensor([[1] * len(turn), [0] * (len(turn) - len(other)) + [1] * len(other)])
+    kw = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
+              eos_token_id=_eos_after(llama, ids, mask, 4))
+    ref = llama.generate(ids, **kw)
+    pool = PagePool.from_model(llama, max_tokens=30, page_size=1)
+    with astrai_hf.patched(llama, pool):
+        llama.generate(first, max_new_tokens=2, do_sample=False)  # fills the prefix cache
+        assert torch.equal(llama.generate(ids, **kw), ref)
+    stats = pool.stats()
+    assert stats["evictions"] == 0 and stats["num_used_pages"] == 0 and stats["prefix_hit_tokens"] > 0
+
+
+def test_reset_cache_learns_the_next_prompts_padding(llama):
+    """``reset()`` then reuse on an unpatched model: the next prompt's padding is read afresh, not the old one's."""
+    pool = PagePool.from_model(llama, max_tokens=512, page_size=PAGE)
+    ids1, mask1 = left_padded_batch([3, 9], seed=0)
+    ids2, mask2 = left_padded_batch([9, 2], seed=1)
+    cache = PagedCache(pool, ids1, mask1)
+    _stock(llama, ids1, mask1, max_new_tokens=6, **{_kw(llama): cache})
+    cache.reset()
+    out = _stock(llama, ids2, mask2, max_new_tokens=6, **{_kw(llama): cache})
+    assert torch.equal(out, _stock(llama, ids2, mask2, max_new_tokens=6))
+    cache.release()
+    assert pool.stats()["num_used_pages"] == 0

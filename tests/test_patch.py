@@ -72,3 +72,21 @@ def test_import_registers_nothing():
             "print('astrai_paged' in AttentionInterface._global_mapping)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "7"])
+def test_prefill_chunk_tokens_is_checked(bad):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive int, got"):
+        astrai_hf.patch(model, prefill_chunk_tokens=bad)
+    assert not astrai_hf.is_patched(model)
+
+
+def test_prefill_chunk_tokens_takes_a_numpy_int():
+    import numpy as np
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 9])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with astrai_hf.patched(model, prefill_chunk_tokens=np.int64(3)):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), ref)

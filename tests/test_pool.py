@@ -47,6 +47,7 @@ def test_memory_fraction_sizing(llama):
         (dict(num_kv_heads=0), ValueError, "num_kv_heads must be a positive int, got 0"),
         (dict(max_reqs=True), TypeError, "max_reqs must be an int, got True"),
         (dict(max_tokens="4096"), TypeError, "max_tokens must be an int, got '4096'"),
+        (dict(num_kv_heads=torch.tensor(2.0)), ValueError, r"num_kv_heads must be a positive int, got tensor\(2.\)"),
     ],
 )
 def test_bad_arguments_name_the_value(llama, kwargs, error, text):
@@ -92,3 +93,4 @@ def test_integer_scalars_of_numpy_and_torch_are_sizes(llama):
                     max_seq_len=np.uint16(64), memory_fraction=None)
     assert (pool.page_size, pool.max_seq_len, pool.stats()["num_pages"]) == (4, 64, 64)
     assert type(pool.page_size) is int and type(pool.config.max_reqs) is int
+    assert PagePool(llama.config, max_tokens=64, num_kv_heads=np.int64(1)).config.spec.num_kv_heads == 1
