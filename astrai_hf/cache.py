@@ -33,11 +33,14 @@ class _Rows:
         # reserved[r]: pages taken for row r's next tokens, following its last page, not yet holding any token
         self.reserved: list[list[int]] = []
         self.insert_on_release = True  # offer the pages to the prefix cache on release
+        self.epoch: int | None = None  # the prefix cache's epoch when these rows were first written
 
     def release(self) -> None:
         pool = self.pool
         try:
-            if pool.prefix_cache is not None and self.insert_on_release:
+            # rows written before the prefix cache was last cleared (the pool bound to another model, or the
+            # weights changed) hold K/V no later prompt may reuse
+            if pool.prefix_cache is not None and self.insert_on_release and self.epoch == pool.prefix_cache.epoch:
                 self._insert_into_prefix_cache()
         finally:
             for pages in self.pages:
@@ -219,6 +222,7 @@ class PagedCache(Cache):
         req_rows = pool.req_to_token.alloc(len(pads))
         rows = self._rows
         rows.req_rows = req_rows
+        rows.epoch = pool.prefix_cache.epoch
         rows.pages = [list(pages[: -(-u // ps)]) for (pages, _), u in zip(hits, use)]
         for pages in rows.pages:
             pool.allocator.incref(pages)  # locked before this call allocates anything
@@ -354,6 +358,7 @@ class PagedCache(Cache):
                 )
         if not rows.req_rows:
             rows.req_rows = pool.req_to_token.alloc(Bp)
+            rows.epoch = pool.prefix_cache.epoch if pool.prefix_cache is not None else None
             rows.pages = [[] for _ in range(Bp)]
             rows.known = [0] * Bp
             rows.reserved = [[] for _ in range(Bp)]

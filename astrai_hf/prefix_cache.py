@@ -56,6 +56,9 @@ class PrefixCache:
         self._by_page: dict[int, _Node] = {}
         self._clock = 0
         self.evictions = 0
+        # bumped by every clear(): K/V computed before a clear (another model's, older weights) must not be
+        # inserted after it
+        self.epoch = 0
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -227,6 +230,7 @@ class PrefixCache:
             pages dropped from the index.
         """
         dropped = len(self._by_page)
+        self.epoch += 1
         for page in self._by_page:
             self.allocator.decref([page])
         self.root.children.clear()

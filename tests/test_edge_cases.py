@@ -165,3 +165,27 @@ def test_candidates_past_max_seq_len_get_an_error_that_says_why():
         with pytest.raises(ValueError, match="max_seq_len=124; prompt lookup and assisted decoding store candidate"):
             model.generate(ids, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=5)
         assert _used(model) == 0
+
+
+def test_a_cache_released_after_the_pool_changed_models_caches_nothing():
+    """A live cache holding model A's K/V, released after model B took the shared pool (which cleared the prefix
+    cache), must not leave A's K/V for B's prompts."""
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    pool = PagePool.from_model(a, max_tokens=256, page_size=4)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    ref = b.generate(ids, **greedy)
+    astrai_hf.patch(a, pool=pool)
+    astrai_hf.patch(b, pool=pool)
+    try:
+        held = astrai_hf.PagedCache(pool, ids)
+        a.generate(ids, **greedy, **{astrai_hf.cache_kwarg(a): held})
+        b.generate(torch.tensor([[3, 4, 5]]), **greedy)  # the pool now holds B's K/V
+        held.release()
+        before = pool.stats()["prefix_hit_tokens"]
+        assert torch.equal(b.generate(ids, **greedy), ref)
+        assert pool.stats()["prefix_hit_tokens"] == before
+        assert _used(b) == 0
+    finally:
+        astrai_hf.unpatch(a)
+        astrai_hf.unpatch(b)
