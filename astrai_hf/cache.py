@@ -68,11 +68,12 @@ class _Rows:
         """Per row, the slot of its token 0 when all its pages are consecutive page ids (its tokens then occupy
         consecutive slots), else None."""
         ps = self.pool.page_size
-        return [
-            pages[0] * ps if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(
-                range(pages[0], pages[-1] + 1)) else None
-            for pages in self.pages
-        ]
+        return [pages[0] * ps if _consecutive(pages) else None for pages in self.pages]
+
+
+def _consecutive(pages: list[int]) -> bool:
+    """Whether ``pages`` is a non-empty run of consecutive page ids, ascending."""
+    return bool(pages) and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1))
 
     def _insert_into_prefix_cache(self) -> None:
         todo = [(r, n) for r, n in enumerate(self.known) if n > 0]
