@@ -70,11 +70,6 @@ class _Rows:
         ps = self.pool.page_size
         return [pages[0] * ps if _consecutive(pages) else None for pages in self.pages]
 
-
-def _consecutive(pages: list[int]) -> bool:
-    """Whether ``pages`` is a non-empty run of consecutive page ids, ascending."""
-    return bool(pages) and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1))
-
     def _insert_into_prefix_cache(self) -> None:
         todo = [(r, n) for r, n in enumerate(self.known) if n > 0]
         if not todo:
@@ -737,3 +732,8 @@ def cache_kwarg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _consecutive(pages: list[int]) -> bool:
+    """Whether ``pages`` is a non-empty run of consecutive page ids, ascending."""
+    return bool(pages) and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1))
