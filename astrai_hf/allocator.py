@@ -14,6 +14,11 @@ class PageAllocator:
     (cache-warm, already touched) pages are reused first. The design follows the block manager of vLLM's paged
     attention paper (Kwon et al., SOSP 2023): fixed-size pages, ref counts for sharing, copy-on-write by the owner.
 
+    Runs of consecutive free ids (:meth:`alloc_runs`) are found in a free map, one byte per page, searched at C
+    speed. Pages taken that way stay in the stack as stale entries, skipped when popped (the newest entry of a page
+    is always above its older ones, so a page is never handed out twice); the stack is compacted when stale
+    entries outnumber the pages.
+
     Args:
         num_pages: total page ids, including the reserved ones.
         first_page: ids below this are reserved (never handed out), e.g. a trash page.
@@ -28,11 +33,13 @@ class PageAllocator:
         self.num_pages = num_pages
         self.first_page = first_page
         self._ref_counts = [0] * num_pages
+        self._is_free = bytearray(first_page) + bytearray(b"\x01") * (num_pages - first_page)
+        self._num_free = num_pages - first_page
         self._free = list(range(num_pages - 1, first_page - 1, -1))  # stack: lowest id on top
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_usable(self) -> int:
@@ -40,7 +47,7 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - len(self._free)
+        return self.num_usable - self._num_free
 
     def ref_count(self, page_id: int) -> int:
         return self._ref_counts[page_id]
@@ -51,42 +58,42 @@ class PageAllocator:
         Raises:
             CacheFullError: fewer than ``num`` pages are free (nothing is taken then).
         """
-        if num > len(self._free):
-            raise CacheFullError(num, len(self._free))
-        pages = [self._free.pop() for _ in range(num)]
-        for p in pages:
-            self._ref_counts[p] = 1
+        if num > self._num_free:
+            raise CacheFullError(num, self._num_free)
+        pages = []
+        while len(pages) < num:
+            p = self._free.pop()
+            if self._is_free[p]:  # else a stale entry of a page taken by alloc_runs
+                self._take(p)
+                pages.append(p)
         return pages
 
     def alloc_runs(self, sizes: list[int]) -> list[list[int]] | None:
-        """Take one run of consecutive page ids per entry of ``sizes`` (first fit over the free ids), each page
-        with ref count 1; None, taking nothing, when the free ids hold no such runs.
+        """Take one run of consecutive page ids per entry of ``sizes`` (first fit, lowest ids first), each page
+        with ref count 1; None, taking nothing, when the free pages hold no such runs.
 
         A row whose tokens lie in consecutive slots can be read by attention as a view of the pool, without a
-        gather. O(F log F) for F free pages; meant for a row's first allocation, not for every step.
+        gather. Each run is a search of the free map (``bytearray.find``), O(num_pages) at C speed.
+
+        Raises:
+            ValueError: a size is not positive.
         """
         if any(n <= 0 for n in sizes):
             raise ValueError(f"run sizes must be positive, got {sizes}")
-        if sum(sizes) > len(self._free):
+        if sum(sizes) > self._num_free:
             return None
-        segments = []  # [start, length] of maximal runs of free ids, ascending
-        for p in sorted(self._free):
-            if segments and segments[-1][0] + segments[-1][1] == p:
-                segments[-1][1] += 1
-            else:
-                segments.append([p, 1])
         runs = []
         for n in sizes:
-            seg = next((s for s in segments if s[1] >= n), None)
-            if seg is None:
+            start = self._is_free.find(b"\x01" * n, self.first_page)
+            if start < 0:
+                for run in runs:  # give back what this call took
+                    for p in run:
+                        self._give_back(p, push=False)
                 return None
-            runs.append(list(range(seg[0], seg[0] + n)))
-            seg[0] += n
-            seg[1] -= n
-        taken = {p for run in runs for p in run}
-        self._free = [p for p in self._free if p not in taken]
-        for p in taken:
-            self._ref_counts[p] = 1
+            run = list(range(start, start + n))
+            for p in run:
+                self._take(p)
+            runs.append(run)
         return runs
 
     def incref(self, pages: Iterable[int]) -> None:
@@ -115,10 +122,34 @@ class PageAllocator:
                 raise ValueError(f"page {p} is freed twice or was never allocated")
             self._ref_counts[p] -= 1
             if self._ref_counts[p] == 0:
-                self._free.append(p)
+                self._give_back(p, push=True)
                 freed += 1
+        if len(self._free) > 2 * self.num_usable + 64:
+            self._compact()
         return freed
 
     def free_pages(self) -> list[int]:
-        """The free page ids (a copy), for checks and tests."""
-        return list(self._free)
+        """The free page ids, ascending, for checks and tests."""
+        return [p for p in range(self.first_page, self.num_pages) if self._is_free[p]]
+
+    def _take(self, p: int) -> None:
+        self._is_free[p] = 0
+        self._ref_counts[p] = 1
+        self._num_free -= 1
+
+    def _give_back(self, p: int, *, push: bool) -> None:
+        self._is_free[p] = 1
+        self._ref_counts[p] = 0
+        self._num_free += 1
+        if push:
+            self._free.append(p)
+
+    def _compact(self) -> None:
+        """Drop stale stack entries, keeping the newest entry of each free page in its place."""
+        seen, kept = set(), []
+        for p in reversed(self._free):
+            if self._is_free[p] and p not in seen:
+                seen.add(p)
+                kept.append(p)
+        kept.reverse()
+        self._free = kept

@@ -119,3 +119,36 @@ def test_alloc_runs_first_fit_and_refusal():
     assert alloc.ref_count(6) == 1 and alloc.num_free == 1
     with pytest.raises(ValueError, match="positive"):
         alloc.alloc_runs([0])
+
+
+def test_stale_entries_are_compacted_and_never_handed_out():
+    """Pages taken as runs leave stale entries on the free stack; thousands of mixed operations never hand a page
+    out twice, and the stack stays bounded."""
+    import random
+
+    rng = random.Random(0)
+    alloc = PageAllocator(12, first_page=1)
+    refs: dict[int, int] = {}
+    longest, compactions, compact = 0, [], alloc._compact
+    alloc._compact = lambda: (compactions.append(len(alloc._free)), compact())
+    for _ in range(5000):
+        op = rng.random()
+        free = 11 - len(refs)
+        if op < 0.35:
+            runs = alloc.alloc_runs([rng.randint(1, 3) for _ in range(rng.randint(1, 2))])
+            taken = [p for run in runs or () for p in run]
+        elif op < 0.6 and free:
+            taken = alloc.alloc(rng.randint(1, free))
+        else:
+            taken = []
+            for p in rng.sample(sorted(refs), k=min(len(refs), rng.randint(0, 4))):
+                alloc.decref([p])
+                refs[p] -= 1
+                if refs[p] == 0:
+                    del refs[p]
+        for p in taken:
+            assert p not in refs, f"page {p} handed out twice"
+            refs[p] = 1
+        assert set(alloc.free_pages()) == set(range(1, 12)) - set(refs) and alloc.num_free == 11 - len(refs)
+        longest = max(longest, len(alloc._free))
+    assert compactions and longest <= 2 * 11 + 64 + 4
