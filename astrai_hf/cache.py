@@ -109,8 +109,8 @@ class PagedCache(Cache):
             release (default True; no effect on a pool built with ``prefix_cache=False``).
         reserve_new_tokens: tokens each row is expected to grow past its prompt (a patched ``generate()`` passes
             its number of new tokens). A row's first pages are taken as one run of consecutive page ids, and with
-            this set, the run also covers that many more tokens, when the pool has them free (free pages only:
-            nothing cached is evicted for it). A row whose tokens sit in consecutive slots is read by attention as
+            this set, the run also covers that many more tokens, or an even share per row of the free pages
+            when they do not hold that many (free pages only: nothing cached is evicted for it). A row whose tokens sit in consecutive slots is read by attention as
             a view of the pool, without a gather. Reserved pages count as used; they return to the pool on
             release, when rows are reordered, selected or cropped, and whenever a step of any cache finds the
             pool short (before a cached prefix is evicted or ``CacheFullError`` raised) (default 0).
@@ -456,8 +456,8 @@ class PagedCache(Cache):
 
     def _reserve_runs(self, grows: list[int], seq: list[int], needed: int, group: int) -> None:
         """Give each row that holds no page yet one run of consecutive pages: what this step needs, plus room for
-        ``reserve_new_tokens`` more when that many pages are free beyond the step's ``needed``. Nothing happens
-        when the free pages hold no such runs (the rows then take scattered pages)."""
+        ``reserve_new_tokens`` more out of the pages free beyond the step's ``needed`` (an even share per row when
+        they do not hold all of it). Without such runs, the rows take scattered pages."""
         rows, pool = self._rows, self.pool
         ps, alloc = pool.page_size, pool.allocator
         fresh = [r for r, g in enumerate(grows) if g > 0 and not rows.pages[r] and not rows.reserved[r]]
@@ -470,8 +470,9 @@ class PagedCache(Cache):
                 prompt = max(seq[r], len(prompts[r]) if prompts is not None else 0)
                 total = -(-min(prompt + self.reserve_new_tokens, pool.max_seq_len) // ps)
                 extra[i] = max(0, total - grows[r])
-            if sum(extra) > alloc.num_free - needed:
-                extra = [0] * len(fresh)
+            room = alloc.num_free - needed
+            if sum(extra) > room:  # not enough free for all of it: an even share each
+                extra = [min(e, max(0, room) // len(fresh)) for e in extra]
         runs = alloc.alloc_runs([grows[r] + e for r, e in zip(fresh, extra)])
         if runs is not None and any(extra):
             pool._reservations.add(rows)  # the pool may take the room back when it runs short
