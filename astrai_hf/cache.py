@@ -110,8 +110,8 @@ class PagedCache(Cache):
         reserve_new_tokens: tokens each row is expected to grow past its prompt (a patched ``generate()`` passes
             its number of new tokens). A row's first pages are taken as one run of consecutive page ids, and with
             this set, the run also covers that many more tokens, or an even share per row of the free pages
-            when they do not hold that many (free pages only: nothing cached is evicted for it). A row whose tokens sit in consecutive slots is read by attention as
-            a view of the pool, without a gather. Reserved pages count as used; they return to the pool on
+            when they do not hold that many (free pages only: nothing cached is evicted for it). A row whose
+            tokens sit in consecutive slots is read by attention as a view of the pool, without a gather. Reserved pages count as used; they return to the pool on
             release, when rows are reordered, selected or cropped, and whenever a step of any cache finds the
             pool short (before a cached prefix is evicted or ``CacheFullError`` raised) (default 0).
 

@@ -462,8 +462,6 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
         return pages
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise TypeError(f"max_tokens must be an int, got {max_tokens!r}")
     if max_tokens < page_size:
         raise ValueError(f"max_tokens={max_tokens} is smaller than one page (page_size={page_size})")
     return max_tokens // page_size
