@@ -8,7 +8,7 @@ import logging
 
 from .cache import PagedCache, cache_kwarg
 from .errors import CacheFullError
-from .patch import get_pool, is_patched, patch, patched, unpatch
+from .patch import capture_graphs, get_pool, is_patched, patch, patched, unpatch
 from .pool import PagePool
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -16,5 +16,6 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheFullError", "PagePool", "PagedCache", "cache_kwarg", "get_pool", "is_patched", "patch", "patched", "unpatch", "__version__",
+    "CacheFullError", "PagePool", "PagedCache", "cache_kwarg", "capture_graphs", "get_pool", "is_patched", "patch",
+    "patched", "unpatch", "__version__",
 ]

@@ -50,7 +50,8 @@ class Results:
     decode: list[DecodeRow] = field(default_factory=list)
     floor_ms: dict = field(default_factory=dict)  # batch -> step time floor (ms)
     bandwidth_gb_s: float = 0.0
-    capture_s: dict = field(default_factory=dict)  # bucket -> seconds
+    capture_s: dict = field(default_factory=dict)  # bucket -> seconds (lazy capture inside generate())
+    capture_all_s: dict = field(default_factory=dict)  # bucket -> seconds (astrai_hf.capture_graphs, largest first)
     prefill: dict = field(default_factory=dict)  # setup -> {"seconds": .., "same_tokens": ..}
     notes: list[str] = field(default_factory=list)
 
@@ -184,6 +185,18 @@ def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, 
             results.decode[-1].step_ms = seconds / new_tokens * 1e3
 
 
+def capture_suite(model, device: str, results: Results) -> None:
+    """Every bucket captured up front by :func:`astrai_hf.capture_graphs` (largest first, one shared memory
+    pool): seconds per bucket, warm-up run included."""
+    import astrai_hf
+
+    if torch.device(device).type != "cuda":
+        return
+    with astrai_hf.patched(model, max_tokens=4096, page_size=16, max_reqs=64, prefix_cache=False, cuda_graphs=True):
+        seconds = astrai_hf.capture_graphs(model)
+    results.capture_all_s = {str(b): s for b, s in seconds.items()}
+
+
 def _generate_batch(model, ids, new_tokens: int, device):
     """``generate_batch`` on the rows of ``ids`` (no padding): ([B, new_tokens] tokens, seconds), or None."""
     prompts = ids.tolist()
@@ -255,6 +268,10 @@ def to_markdown(r: Results) -> str:
     if r.capture_s:
         lines += ["", "Graph capture per bucket (s): " + ", ".join(f"{b}: {s:.3f}" for b, s in sorted(
             r.capture_s.items(), key=lambda kv: int(kv[0])))]
+    if r.capture_all_s:
+        total = sum(r.capture_all_s.values())
+        lines += ["", f"All buckets captured up front, largest first (`astrai_hf.capture_graphs`), {total:.2f} s in all "
+                      "(s): " + ", ".join(f"{b}: {s:.3f}" for b, s in r.capture_all_s.items())]
     if r.prefill:
         shape = r.prefill.get("_shape", {})
         lines += ["", f"## Packed prefill (batch {shape.get('batch')}, prompts {min(shape.get('lengths', [0]))}-"
@@ -299,6 +316,10 @@ def main(argv=None) -> int:
     results = Results(env=env, bandwidth_gb_s=copy_bandwidth(args.device, 1 << 30 if not args.tiny else 1 << 24))
     batches = [int(b) for b in args.batches.split(",")]
     decode_suite(model, batches, args.prompt_len, args.new_tokens, args.device, results)
+    try:
+        capture_suite(model, args.device, results)
+    except Exception as e:  # a capture failure is a result, not a crash of the whole check
+        results.notes.append(f"capture_graphs failed: {type(e).__name__}: {e}")
     if args.prefill_batch:
         prefill_suite(model, args.prefill_batch, 16, args.device, results)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,9 @@ A decode step (one new token per row) is captured once per *bucket* (1, 2, 4, 8,
 :class:`DecodeWorkspace`: static, fixed-address buffers for everything that changes from step to step (input ids,
 positions, each row's ``req_to_token`` row, ``seq_lens``, ``slot_mapping``). A batch is padded up to its bucket; padded
 rows read and write only the trash page (slot 0). Graphs are captured lazily, on a bucket's first decode
-step, into one memory pool shared by all buckets (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it
-cannot replay (several tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager.
+step, or all at once, largest first, by :func:`astrai_hf.capture_graphs`, into one memory pool shared by all
+buckets (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it cannot replay (several
+tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager.
 
 Attention inside a captured step reads lengths and page tables from the workspace only: the Triton split-KV decode
 kernel on CUDA (its grid never depends on lengths), else a static-shape torch path over the table's full width.
@@ -61,11 +62,16 @@ class DecodeWorkspace:
         self.seq_lens[:B].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
         self.slot_mapping[:B].copy_(step.slot_mapping, non_blocking=True)
         if bucket > B:
-            self.input_ids[B:bucket].zero_()
-            self.position_ids[B:bucket].zero_()
-            self.req_rows[B:bucket].fill_(self.pad_row)
-            self.seq_lens[B:bucket].fill_(1)
-            self.slot_mapping[B:bucket].zero_()
+            self.pad(B, bucket)
+
+    def pad(self, start: int, stop: int) -> None:
+        """Point rows ``start .. stop - 1`` at the trash: token 0 at position 0, reading the trash row of
+        ``req_to_token`` (one token) and writing slot 0."""
+        self.input_ids[start:stop].zero_()
+        self.position_ids[start:stop].zero_()
+        self.req_rows[start:stop].fill_(self.pad_row)
+        self.seq_lens[start:stop].fill_(1)
+        self.slot_mapping[start:stop].zero_()
 
 
 class GraphStep:
@@ -191,6 +197,32 @@ class DecodeGraphRunner:
             if name in result:
                 result[name] = cache
         return result
+
+    def capture_all(self, cache, kwargs: dict, state) -> dict[int, float]:
+        """Capture every bucket not captured yet, largest first, with every row padded (rows read the trash row
+        of ``req_to_token`` and write the trash slot, so no sequence's K/V is touched).
+
+        Args:
+            cache: a PagedCache on this runner's pool, passed to the forward (its ``update()`` runs during
+                capture; it holds no rows).
+            kwargs: the forward's other arguments as ``generate()`` passes them in a decode step (the cache,
+                ``use_cache``, ``return_dict``, ``logits_to_keep=1``).
+            state: the model's patch state, with paged attention switched on.
+
+        Returns:
+            ``{bucket: seconds}`` for the buckets captured by this call, largest first (0.0 on the stand-in).
+        """
+        if self.workspace is None:
+            raise RuntimeError("this DecodeGraphRunner was closed")
+        done = {}
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket in self.graphs:
+                continue
+            self.workspace.pad(0, bucket)
+            self.graphs[bucket] = self._capture(bucket, cache, kwargs, state)
+            self.captured.append(bucket)
+            done[bucket] = self.capture_seconds.get(bucket, 0.0)
+        return done
 
     def _forward(self, bucket: int, cache, kwargs: dict, state, gstep: GraphStep):
         ws = self.workspace

@@ -41,6 +41,7 @@ class PatchState:
     prefill_chunk_tokens: int | None = None
     cuda_graphs: bool = False
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
+    forward: object = None  # the model's own forward, which the patched one wraps
     # one paged generate() / forward at a time per model: calls from several threads run one after another
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -226,12 +227,12 @@ def _wants_graphs(model, cuda_graphs: bool | None) -> bool:
     return rank_group(attention_modules(model)) is None
 
 
-def _runner(model, forward, state: PatchState, pool: PagePool):
+def _runner(model, state: PatchState, pool: PagePool):
     runner = state.runners.get(id(pool))
     if runner is None:
         from .graphs import DecodeGraphRunner
 
-        runner = state.runners[id(pool)] = DecodeGraphRunner(model, forward, pool)
+        runner = state.runners[id(pool)] = DecodeGraphRunner(model, state.forward, pool)
     return runner
 
 
@@ -280,30 +281,85 @@ def _wrap_forward(model, forward, state: PatchState):
             paged=True,
         )
         cache._pending_q = q  # the model may ask get_seq_length() before any layer stores this step
-        previous = [c._attn_implementation_internal for c in state.attn_configs]
-        state.step, state.step_pool = step, cache.pool
-        for c in state.attn_configs:
-            c._attn_implementation_internal = attention.ATTENTION_NAME
         try:
-            if state.cuda_graphs and not args:
-                runner = _runner(model, forward, state, cache.pool)
-                if runner.can_run(step, kwargs, input_ids):
-                    return runner.run(cache, step, kwargs, input_ids, state)
-            if state.packable and not args and packing.wants_packing(
-                model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=state.prefill_chunk_tokens
-            ):
-                return packing.packed_forward(forward, kwargs, cache, state, step, input_ids, state.prefill_chunk_tokens)
-            return forward(*args, **kwargs)
+            with paged_attention_on(state, step, cache.pool):
+                if state.cuda_graphs and not args:
+                    runner = _runner(model, state, cache.pool)
+                    if runner.can_run(step, kwargs, input_ids):
+                        return runner.run(cache, step, kwargs, input_ids, state)
+                if state.packable and not args and packing.wants_packing(
+                    model, kwargs, step, input_ids, drop_padding=state.pack_prefill,
+                    chunk_tokens=state.prefill_chunk_tokens,
+                ):
+                    return packing.packed_forward(forward, kwargs, cache, state, step, input_ids,
+                                                  state.prefill_chunk_tokens)
+                return forward(*args, **kwargs)
         except BaseException:
             cache.crop(-q)  # roll the failed step back so the cache stays consistent
             raise
         finally:
-            for c, name in zip(state.attn_configs, previous):
-                c._attn_implementation_internal = name
-            state.step = state.step_pool = None
             cache._pending_q = 0
 
+    state.forward = forward
     return paged_forward
+
+
+@contextlib.contextmanager
+def paged_attention_on(state: PatchState, step, pool: PagePool) -> Iterator[None]:
+    """Within the block, the patched model's attention modules run paged attention over ``pool`` for ``step``;
+    their own attention implementation is restored on exit."""
+    previous = [c._attn_implementation_internal for c in state.attn_configs]
+    state.step, state.step_pool = step, pool
+    for c in state.attn_configs:
+        c._attn_implementation_internal = attention.ATTENTION_NAME
+    try:
+        yield
+    finally:
+        for c, name in zip(state.attn_configs, previous):
+            c._attn_implementation_internal = name
+        state.step = state.step_pool = None
+
+
+def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict[int, float]:
+    """Capture the decode step of every batch-size bucket now, largest first, instead of lazily on each bucket's
+    first decode step. The buckets share one CUDA memory pool: captured largest first, each smaller graph reuses
+    the memory the larger ones took (as vLLM and SGLang do at start-up). Later ``generate()`` calls then never
+    pay a capture.
+
+    Args:
+        model: a model patched with CUDA graphs on (``patch(model)`` on one CUDA device, or
+            ``cuda_graphs=True``; on a CPU that is the eager stand-in, where "capture" only prepares a bucket).
+        pool: the pool whose decode steps to capture; default ``get_pool(model)``.
+
+    Returns:
+        ``{bucket: seconds}`` for the buckets captured by this call, in capture order (already captured buckets
+        are skipped; their times stay in the runner's ``capture_seconds``).
+
+    Raises:
+        ValueError: the model is not patched, or is patched with ``cuda_graphs=False``.
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
+    if not state.cuda_graphs:
+        raise ValueError(
+            f"{type(model).__name__} is patched with cuda_graphs=False; patch(model, cuda_graphs=True) to capture"
+        )
+    pool = pool or state.pool
+    with state.lock:
+        if id(pool) not in state.checked_pools:
+            pool.check_model(model)
+            state.checked_pools.add(id(pool))
+        if pool.model is not model:
+            pool.bind_model(model)
+        runner = _runner(model, state, pool)
+        cache = PagedCache(pool, prefix_cache=False)
+        try:
+            with paged_attention_on(state, None, pool):
+                return runner.capture_all(cache, {cache_kwarg(model): cache, "use_cache": True, "return_dict": True,
+                                                  "logits_to_keep": 1}, state)
+        finally:
+            cache.release()
 
 
 def _wrap_generate(model, generate, state: PatchState):

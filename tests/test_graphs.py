@@ -137,3 +137,36 @@ def test_embedded_model_through_the_runner():
     pool = PagePool.from_model(model, max_tokens=4096, page_size=16, max_seq_len=512)
     out, runner = _generate(model, ids, mask, graphs=True, pool=pool, do_sample=False, max_new_tokens=16)
     assert torch.equal(out, ref) and runner.replays == 15 and runner.captured == [4]
+
+
+def test_capture_graphs_captures_every_bucket_largest_first_then_generate_only_replays():
+    model = tiny_model("llama")
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=4, max_reqs=20, prefix_cache=False)
+    batches = [left_padded_batch([2 + (5 * r) % 9 for r in range(b)], seed=b) for b in (3, 9, 1)]
+    refs = [model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5) for ids, mask in batches]
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        slot0_k = pool.storage.k[0][1:].clone()  # every slot but the trash slot
+        seconds = astrai_hf.capture_graphs(model)
+        runner = _runner(model)
+        assert list(seconds) == [20, 16, 8, 4, 2, 1] == runner.captured
+        assert torch.equal(pool.storage.k[0][1:], slot0_k)  # capture wrote only the trash slot
+        assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+        assert astrai_hf.capture_graphs(model) == {}  # nothing left to capture
+        for (ids, mask), ref in zip(batches, refs):
+            replays = runner.replays
+            assert torch.equal(model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5), ref)
+            assert runner.replays == replays + 4
+        assert runner.captured == [20, 16, 8, 4, 2, 1]  # generate() captured nothing more
+    finally:
+        astrai_hf.unpatch(model)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_capture_graphs_refuses_an_unpatched_or_eager_model():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="not patched"):
+        astrai_hf.capture_graphs(model)
+    with astrai_hf.patched(model, max_tokens=256, cuda_graphs=False):
+        with pytest.raises(ValueError, match="cuda_graphs=False"):
+            astrai_hf.capture_graphs(model)

@@ -101,3 +101,25 @@ def test_a_then_b_then_a_and_returned_outputs_are_not_mutated(model):
     _same_or_tie(first, want_a, a[0].shape[1])
     _same_or_tie(second, want_b, b[0].shape[1])
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_capture_graphs_up_front_then_generate_replays_them(model):
+    pool = PagePool.from_model(model, max_tokens=32 * 128, page_size=16, max_reqs=24, prefix_cache=False)
+    batches = [_prompts(model, b, seed=20 + b) for b in (3, 9)]
+    wants = [_generate(model, pool, ids, mask, graphs=False)[0] for ids, mask in batches]
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        seconds = astrai_hf.capture_graphs(model)
+        runner = next(iter(model._astrai_patch_state.runners.values()))
+        assert list(seconds) == [24, 16, 8, 4, 2, 1] == runner.captured  # largest first, every bucket
+        print("capture seconds per bucket:", {b: round(s, 3) for b, s in seconds.items()})
+        for (ids, mask), want in zip(batches, wants):
+            replays = runner.replays
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+            assert runner.replays == replays + NEW - 1
+            _same_or_tie(got, want, ids.shape[1])
+        assert runner.captured == [24, 16, 8, 4, 2, 1]  # nothing captured inside generate()
+    finally:
+        astrai_hf.unpatch(model)
+    assert pool.stats()["num_used_pages"] == 0
