@@ -118,13 +118,16 @@ def _timed_generate(model, ids, new_tokens: int, device, **kwargs):
 
 
 def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, results: Results,
-                 compile_batches=(1, 8)) -> None:
+                 compile_batches=(1, 8), save=None) -> None:
+    """Decode tokens/s of every setup at each batch size. A setup that fails is a note, not the end of the run;
+    ``save()`` (when given) writes the results so far after each batch."""
     import astrai_hf
     from astrai_hf import PagePool
 
     vocab = model.config.vocab_size
     pool = PagePool.from_model(model, max_tokens=max(batches) * (prompt_len + new_tokens + 16), page_size=16,
                                prefix_cache=False)
+    cuda = torch.device(device).type == "cuda"
     for batch in batches:
         ids = _prompts(vocab, batch, prompt_len, device, seed=batch)
         results.floor_ms[batch] = step_floor_ms(model, batch, prompt_len + new_tokens // 2, results.bandwidth_gb_s)
@@ -137,52 +140,67 @@ def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, 
             if reference is None:
                 reference = seqs
             tok_s = timer.decode_tok_s(batch) if timer is not None else float("nan")
-            results.decode.append(DecodeRow(batch, setup, tok_s, batch / tok_s * 1e3 if tok_s == tok_s else float("nan"),
-                                            setup_s, bool(torch.equal(seqs, reference))))
+            step_ms = batch / tok_s * 1e3 if tok_s == tok_s else float("nan")
+            results.decode.append(DecodeRow(batch, setup, tok_s, step_ms, setup_s, bool(torch.equal(seqs, reference))))
 
-        # DynamicCache, eager
-        _timed_generate(model, ids[:, :16], 4, device)
-        out, timer, _ = _timed_generate(model, ids, new_tokens, device)
-        record("DynamicCache eager", out, timer)
-        # StaticCache + torch.compile(mode="reduce-overhead"); first call compiles
-        if batch in compile_batches and torch.device(device).type == "cuda":
-            compiled = model.forward
-            model.forward = torch.compile(compiled, mode="reduce-overhead", fullgraph=False)
-            try:
-                start = time.perf_counter()
-                _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
-                first = time.perf_counter() - start
-                out, timer, steady = _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
-                record("StaticCache + torch.compile", out, timer, setup_s=max(first - steady, 0.0))
-            except Exception as e:  # a compile failure is a result, not a crash of the whole check
-                results.notes.append(f"StaticCache + torch.compile at batch {batch} failed: {type(e).__name__}: {e}")
-            finally:
-                model.forward = compiled
-                torch._dynamo.reset()
-        # patched PagedCache, eager and with graphs
-        for setup, graphs in (("PagedCache eager", False), ("PagedCache + CUDA graphs", True)):
-            if graphs and torch.device(device).type != "cuda":
-                continue
+        def dynamic():
+            _timed_generate(model, ids[:, :16], 4, device)
+            out, timer, _ = _timed_generate(model, ids, new_tokens, device)
+            record("DynamicCache eager", out, timer)
+
+        def static_compiled():
+            # generate() compiles the decode step of a StaticCache on CUDA by itself, with the default
+            # CompileConfig (inductor, mode="reduce-overhead"); the first call pays the compile
+            start = time.perf_counter()
+            _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
+            first = time.perf_counter() - start
+            if not hasattr(model, "_compiled_call"):
+                results.notes.append(f"StaticCache at batch {batch}: generate() did not compile the decode step")
+            out, timer, steady = _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
+            record("StaticCache + torch.compile", out, timer, setup_s=max(first - steady, 0.0))
+
+        def paged(graphs):
             astrai_hf.patch(model, pool=pool, cuda_graphs=graphs)
             try:
                 start = time.perf_counter()
                 _timed_generate(model, ids[:, :16], 4, device)  # captures the bucket (graphs)
                 capture = time.perf_counter() - start
                 out, timer, _ = _timed_generate(model, ids, new_tokens, device)
-                record(setup, out, timer, setup_s=capture if graphs else 0.0)
+                record("PagedCache + CUDA graphs" if graphs else "PagedCache eager", out, timer,
+                       setup_s=capture if graphs else 0.0)
                 if graphs:
                     (runner,) = model._astrai_patch_state.runners.values()
                     results.capture_s.update({str(b): s for b, s in runner.capture_seconds.items()})
             finally:
                 astrai_hf.unpatch(model)
-            assert pool.stats()["num_used_pages"] == 0
-        # continuous batching
-        gb = _generate_batch(model, ids, new_tokens, device)
-        if gb is not None:
-            seqs, seconds = gb  # end to end: tok/s over all new tokens, prefill included
-            record("generate_batch (end to end)", seqs, None)
-            results.decode[-1].tok_s = batch * new_tokens / seconds
-            results.decode[-1].step_ms = seconds / new_tokens * 1e3
+            if pool.stats()["num_used_pages"] != 0:
+                results.notes.append(f"batch {batch}: {pool.stats()['num_used_pages']} pages left used")
+
+        def continuous():
+            gb = _generate_batch(model, ids, new_tokens, device)
+            if gb is not None:
+                seqs, seconds = gb  # end to end: tok/s over all new tokens, prefill included
+                record("generate_batch (end to end)", seqs, None)
+                results.decode[-1].tok_s = batch * new_tokens / seconds
+                results.decode[-1].step_ms = seconds / new_tokens * 1e3
+
+        setups = [("DynamicCache eager", dynamic)]
+        if batch in compile_batches and cuda:
+            setups.append(("StaticCache + torch.compile", static_compiled))
+        setups.append(("PagedCache eager", lambda: paged(False)))
+        if cuda:
+            setups.append(("PagedCache + CUDA graphs", lambda: paged(True)))
+        setups.append(("generate_batch", continuous))
+        for name, run in setups:
+            try:
+                run()
+            except Exception as e:  # a failing setup is a result, not a crash of the whole check
+                results.notes.append(f"{name} at batch {batch} failed: {type(e).__name__}: {e}")
+            finally:
+                if name.startswith("StaticCache"):
+                    torch._dynamo.reset()
+        if save is not None:
+            save()
 
 
 def capture_suite(model, device: str, results: Results) -> None:
@@ -204,10 +222,10 @@ def _generate_batch(model, ids, new_tokens: int, device):
                                 num_blocks=max(256, len(prompts) * (len(prompts[0]) + new_tokens) // 16 + 64))
     if run is None:
         return None
-    run(1)  # warm-up
+    run(1)  # warm-up, with generate_batch's own warm-up (graph capture or compile where it uses them)
     _sync(device)
     start = time.perf_counter()
-    rows = run(new_tokens)
+    rows = run(new_tokens, warmup=False)
     _sync(device)
     return torch.tensor(rows), time.perf_counter() - start
 
@@ -315,17 +333,23 @@ def main(argv=None) -> int:
                device=torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else args.device)
     results = Results(env=env, bandwidth_gb_s=copy_bandwidth(args.device, 1 << 30 if not args.tiny else 1 << 24))
     batches = [int(b) for b in args.batches.split(",")]
-    decode_suite(model, batches, args.prompt_len, args.new_tokens, args.device, results)
-    try:
-        capture_suite(model, args.device, results)
-    except Exception as e:  # a capture failure is a result, not a crash of the whole check
-        results.notes.append(f"capture_graphs failed: {type(e).__name__}: {e}")
-    if args.prefill_batch:
-        prefill_suite(model, args.prefill_batch, 16, args.device, results)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_bench.md").write_text(to_markdown(results))
-    (args.out / "gpu_bench.json").write_text(json.dumps(
-        {**asdict(results), "decode": [asdict(d) for d in results.decode]}, indent=1, default=str))
+
+    def save():  # after every phase, so a run cut short still leaves what it measured
+        (args.out / "gpu_bench.md").write_text(to_markdown(results))
+        (args.out / "gpu_bench.json").write_text(json.dumps(
+            {**asdict(results), "decode": [asdict(d) for d in results.decode]}, indent=1, default=str))
+
+    decode_suite(model, batches, args.prompt_len, args.new_tokens, args.device, results, save=save)
+    phases = [("capture_graphs", lambda: capture_suite(model, args.device, results))]
+    if args.prefill_batch:
+        phases.append(("packed prefill", lambda: prefill_suite(model, args.prefill_batch, 16, args.device, results)))
+    for name, run in phases:
+        try:
+            run()
+        except Exception as e:  # a failing phase is a result, not a crash of the whole check
+            results.notes.append(f"{name} failed: {type(e).__name__}: {e}")
+        save()
     print(to_markdown(results))
     return 0
 

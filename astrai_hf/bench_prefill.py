@@ -9,6 +9,7 @@ real tokens too. Methods are interleaved within each repeat; the table gives the
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -43,11 +44,15 @@ def generate_batch_runner(model, pad_token_id: int | None, prompts: list[list[in
     if not hasattr(model, "generate_batch"):
         return None
 
-    def run(new_tokens: int) -> list[list[int]]:
-        cb = ContinuousBatchingConfig(page_size=16, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+    # the page size field is `block_size` up to transformers 5.2x, `page_size` after (5.24 takes both)
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page_field = "page_size" if "page_size" in fields else "block_size"
+
+    def run(new_tokens: int, warmup: bool = True) -> list[list[int]]:
+        cb = ContinuousBatchingConfig(**{page_field: 16}, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
         gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=pad_token_id)
-        out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)
+        out = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb, warmup=warmup)
         return [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
 
     return run

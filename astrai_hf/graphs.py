@@ -236,19 +236,28 @@ class DecodeGraphRunner:
         if not self.use_cuda_graphs:
             logger.debug("decode runner: bucket %d ready (eager stand-in)", bucket)
             return None, None, gstep
+        import gc
         import time
 
         start = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
-            self._forward(bucket, cache, kwargs, state, gstep)
-        torch.cuda.current_stream().wait_stream(side)
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            static_out = self._forward(bucket, cache, kwargs, state, gstep)
+        # a PagedCache collected mid-capture would free its table rows with host-to-device copies, which break
+        # the capture (or land in the graph): no garbage collection until the graph is captured
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
+                self._forward(bucket, cache, kwargs, state, gstep)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                static_out = self._forward(bucket, cache, kwargs, state, gstep)
+        finally:
+            if collecting:
+                gc.enable()
         self.capture_seconds[bucket] = time.perf_counter() - start
         logger.info("decode runner: captured bucket %d in %.3f s", bucket, self.capture_seconds[bucket])
         return graph, static_out, gstep

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, on one CUDA machine with nothing from the network: the CUDA tests (tests/gpu), then the GPU
-# benchmark (python -m astrai_hf.bench_gpu). Writes gpu_tests.log, gpu_bench.md and gpu_bench.json to OUT_DIR.
+# benchmark (python -m astrai_hf.bench_gpu). Writes versions.txt, gpu_tests.log, gpu_bench.log, gpu_bench.md and
+# gpu_bench.json to OUT_DIR.
 #   bash benchmarks/gpu_check.sh OUT_DIR
 # Uses the machine's own torch, Triton and transformers (tested with torch 2.11, Triton 3.6, transformers 5.17).
 # Wheels it lacks can be put in .whl/ beside this repository's files; they are installed into a temporary folder.
@@ -25,9 +26,15 @@ except ImportError:
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
 print(f"{name}; torch {torch.__version__}; CUDA {torch.version.cuda}; Triton {tv}; transformers {transformers.__version__}")
 PY
+# a machine whose torch cannot see its GPU would skip every CUDA test and look like a pass
+"$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_check.sh: torch sees no CUDA device")' \
+  2>&1 | tee -a "$out/versions.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
 status=0
 # from a neutral folder, so the repository's astrai_hf (without astrai_hf.patches) does not shadow the copy
-(cd "$site" && timeout 180 "$py" -m pytest -q -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" \
+# -rA: the tests' own printed numbers (rows identical per batch, capture seconds) reach the log
+(cd "$site" && timeout 180 "$py" -m pytest -q -rA -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" \
     "$repo/tests/gpu" 2>&1 | tee "$out/gpu_tests.log") || status=1
-(cd "$site" && timeout 300 "$py" -m astrai_hf.bench_gpu --out "$out") || status=1
+# the benchmark writes gpu_bench.md / .json after every phase, so a run cut short keeps what it measured
+(cd "$site" && timeout 300 "$py" -m astrai_hf.bench_gpu --out "$out" 2>&1 | tee "$out/gpu_bench.log") || status=1
 exit $status

@@ -16,6 +16,7 @@ from astrai_hf import PagePool
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 TIE = 0.125  # logits, bf16: the two best tokens closer than this are a tie
+GRAPH_ATOL = 0.01  # logits, bf16: a replayed graph against the same kernels launched without one
 NEW = 24
 
 
@@ -123,3 +124,35 @@ def test_capture_graphs_up_front_then_generate_replays_them(model):
     finally:
         astrai_hf.unpatch(model)
     assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("batch", [1, 3, 9, 17])
+def test_graph_replay_equals_the_same_kernels_run_without_a_graph(model, batch):
+    """Replay against the runner's stand-in on the same device: the same Triton kernels over the same workspace,
+    launched one by one instead of from a graph. The two should agree to the last bit; a stale workspace buffer or
+    a wrong address frozen into a graph moves logits by far more than ``GRAPH_ATOL`` (dropping the newest key
+    moved them by 0.065-0.088 on this model), which a comparison of tokens alone can miss."""
+    from astrai_hf.graphs import DecodeGraphRunner
+
+    pool = PagePool.from_model(model, max_tokens=32 * 128, page_size=16, prefix_cache=False)
+    ids, mask = _prompts(model, batch, seed=30 + batch)
+    outs = []
+    for use_cuda_graphs in (False, True):
+        astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+        state = model._astrai_patch_state
+        runner = state.runners[id(pool)] = DecodeGraphRunner(model, state.forward, pool,
+                                                             use_cuda_graphs=use_cuda_graphs)
+        try:
+            outs.append(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                                       do_sample=False, output_logits=True, return_dict_in_generate=True))
+            assert runner.replays == NEW - 1
+        finally:
+            astrai_hf.unpatch(model)
+    assert pool.stats()["num_used_pages"] == 0
+    eager, graph = outs
+    width = ids.shape[1]
+    differs = (eager.sequences[:, width:] != graph.sequences[:, width:]).any(0).nonzero()
+    steps = int(differs[0]) + 1 if len(differs) else NEW  # compare logits up to the first step whose tokens differ
+    worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(eager.logits[:steps], graph.logits[:steps]))
+    print(f"batch {batch}: largest logit difference, graph against no graph, {worst:.4g} over {steps} steps")
+    assert worst <= GRAPH_ATOL
