@@ -69,6 +69,22 @@ class StepMetadata:
             out.append(out[-1] + n)
         return out
 
+    def in_place_spans(self, sliding_window: int | None) -> list[tuple[int, int, int]]:
+        """For the rows of this step that add one token and sit in consecutive slots: ``(row, lo, hi)``, the
+        slots ``[lo, hi)`` of the keys the new token sees (the last ``sliding_window`` tokens with a window).
+        Built once per step and window, on the host."""
+        key = ("in_place", sliding_window)
+        spans = self._views.get(key)
+        if spans is None:
+            spans = []
+            if self.row_starts is not None:
+                for r, (start, p, s) in enumerate(zip(self.row_starts, self.prev_lens, self.seq_lens)):
+                    if start is not None and s == p + 1:
+                        lo = max(0, s - sliding_window) if sliding_window is not None else 0
+                        spans.append((r, start + lo, start + s))
+            self._views[key] = spans
+        return spans
+
     def pack(self) -> "StepMetadata":
         """This step with its padding dropped: the real new tokens of every stored row back to back.
 

@@ -43,12 +43,9 @@ def paged_attention(
     # On an accelerator each call is a kernel launch, and a batch of 64 would launch 64 per layer where the
     # bucketed gather launches a handful, so there rows keep the gather.
     if meta.q_len == 1 and meta.row_starts is not None and query.device.type == "cpu":
-        in_place = [
-            r for r, (start, p, s) in enumerate(zip(meta.row_starts, meta.prev_lens, meta.seq_lens))
-            if start is not None and s == p + 1
-        ]
-        if in_place:
-            return _decode_in_place(query, k_cache, v_cache, meta, in_place, scaling, sliding_window, softcap)
+        spans = meta.in_place_spans(sliding_window)
+        if spans:
+            return _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_window, softcap)
     buckets = meta.buckets()
     if len(buckets) > 1:
         # rows of very different lengths: attend per group of similar rows, each over its own narrower rectangle
@@ -71,16 +68,28 @@ def paged_attention(
     return _attend(query, keys, values, mask, is_causal, scaling, softcap).transpose(1, 2).contiguous()
 
 
-def _decode_in_place(query, k_cache, v_cache, meta, in_place, scaling, sliding_window, softcap) -> torch.Tensor:
-    """Decode step: rows ``in_place`` (one new token each, tokens in consecutive slots) attend over a view of the
-    pool, one call per row, with no gather and no mask; the other rows go through :func:`paged_attention`."""
+def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_window, softcap) -> torch.Tensor:
+    """Decode step: the rows of ``spans`` (``(row, lo, hi)``: one new token, keys in slots ``[lo, hi)``) attend
+    over a view of the pool, one call per row, with no gather and no mask; the other rows go through
+    :func:`paged_attention`."""
     B, H, _, D = query.shape
+    H_kv = k_cache.shape[1]
     out = query.new_empty(B, 1, H, D)
-    for r in in_place:
-        k, v = _row_view(k_cache, v_cache, meta.row_starts[r], meta.seq_lens[r], sliding_window)
-        out[r] = _attend(query[r : r + 1], k, v, None, False, scaling, softcap)[0].transpose(0, 1)
-    if len(in_place) < B:
-        chosen = set(in_place)
+    if softcap is None:
+        # one query per row sees every key of its span: the query heads of a KV group become that group's rows
+        scale = D**-0.5 if scaling is None else scaling
+        grouped = query.reshape(B, H_kv, H // H_kv, D)
+        flat = out.view(B, H_kv, H // H_kv, D)
+        for r, lo, hi in spans:
+            k = k_cache[lo:hi].transpose(0, 1)[None]  # [1, H_kv, T, D], a view of the pool
+            v = v_cache[lo:hi].transpose(0, 1)[None]
+            flat[r] = F.scaled_dot_product_attention(grouped[r : r + 1], k, v, scale=scale)[0]
+    else:
+        for r, lo, hi in spans:
+            k, v = k_cache[lo:hi].transpose(0, 1)[None], v_cache[lo:hi].transpose(0, 1)[None]
+            out[r] = _attend(query[r : r + 1], k, v, None, False, scaling, softcap)[0].transpose(0, 1)
+    if len(spans) < B:
+        chosen = {r for r, _, _ in spans}
         rest = [r for r in range(B) if r not in chosen]
         index = torch.tensor(rest, dtype=torch.long, device=query.device)
         out[index] = paged_attention(
