@@ -522,7 +522,7 @@ class PagedCache(Cache):
             step = self.plan_step(B, q, position_ids=position_ids, paged=False)
         self._pending_q = 0
         self._step_layers.add(layer_idx)
-        self._check_layer(layer_idx, key_states)
+        key_states, value_states = self._check_layer(layer_idx, key_states, value_states)
         if self._pending_known is not None and len(self._step_layers) == self.num_layers:
             self._rows.known, self._pending_known = self._pending_known, None  # every layer stored this step
         view = step.on(key_states.device)
@@ -538,10 +538,20 @@ class PagedCache(Cache):
         width = step.logical_len
         keys = storage.k[layer_idx].index_select(0, view.rect_slots).view(B, width, H, D).transpose(1, 2)
         values = storage.v[layer_idx].index_select(0, view.rect_slots).view(B, width, H, D).transpose(1, 2)
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            # The pool is outside autograd: this step's columns are handed back as the live tensors, so gradients
+            # reach this step's K/V as with a DynamicCache (K/V stored by earlier forwards are constants).
+            keys = torch.cat([keys[:, :, : width - q], key_states], dim=2)
+            values = torch.cat([values[:, :, : width - q], value_states], dim=2)
         return keys, values
 
-    def _check_layer(self, layer_idx: int, key_states: torch.Tensor) -> None:
+    def _check_layer(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Check one layer's K/V [B, H_kv, q, D] against the pool; returns them, cast to the pool's dtype under
+        ``torch.autocast`` (where K and V of one layer can come in two dtypes)."""
         cfg = self.pool.config
+        if key_states.dtype != cfg.dtype or value_states.dtype != cfg.dtype:
+            if torch.is_autocast_enabled(key_states.device.type):
+                key_states, value_states = key_states.to(cfg.dtype), value_states.to(cfg.dtype)
         try:
             if not 0 <= layer_idx < cfg.spec.num_layers:
                 raise ValueError(f"layer_idx={layer_idx} is outside this pool's {cfg.spec.num_layers} layers")
@@ -551,8 +561,11 @@ class PagedCache(Cache):
                     f"layer {layer_idx} produced K/V with {H} heads x head_dim {D}, but the pool stores "
                     f"{cfg.spec.num_kv_heads} x {cfg.spec.head_dim}; build the pool with PagePool.from_model(model)"
                 )
-            if key_states.dtype != cfg.dtype:
-                raise TypeError(f"layer {layer_idx} produced K/V in {key_states.dtype}, but the pool stores {cfg.dtype}")
+            if key_states.dtype != cfg.dtype or value_states.dtype != cfg.dtype:
+                raise TypeError(
+                    f"layer {layer_idx} produced K in {key_states.dtype} and V in {value_states.dtype}, but the pool "
+                    f"stores {cfg.dtype}; build the pool with PagePool.from_model(model) after the model's dtype is set"
+                )
             if key_states.device != cfg.layer_devices[layer_idx]:
                 raise ValueError(
                     f"layer {layer_idx} runs on {key_states.device}, but the pool keeps its K/V on "
@@ -561,6 +574,7 @@ class PagedCache(Cache):
         except (ValueError, TypeError):
             self.release()
             raise
+        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of the rectangle generate() has fed so far (padding included)."""
@@ -685,6 +699,37 @@ class PagedCache(Cache):
         self._step = None
         self._step_layers = set()
         self._pending_q = 0
+
+    def __deepcopy__(self, memo: dict) -> "PagedCache":
+        """``copy.deepcopy(cache)`` (transformers' recipe for reusing a prompt's cache in several calls): a new
+        cache on the same pool whose rows share this cache's pages (ref counts; either cache copies a shared page
+        before it first writes into it), not a copy of the pool.
+
+        Raises:
+            CacheFullError: the pool has too few free request rows for the copy.
+        """
+        twin = PagedCache(self.pool, prefix_cache=self._rows.insert_on_release,
+                          reserve_new_tokens=self.reserve_new_tokens)
+        memo[id(self)] = twin
+        for name in ("stock_attention", "verifies_candidates"):
+            if name in self.__dict__:
+                setattr(twin, name, self.__dict__[name])
+        twin.logical_len, twin._first_step_planned = self.logical_len, self._first_step_planned
+        twin.prefix_hit_tokens = list(self.prefix_hit_tokens)
+        twin._num_pad = None if self._num_pad is None else list(self._num_pad)
+        twin._prompt_pads = None if self._prompt_pads is None else list(self._prompt_pads)
+        twin._prompt_ids = None if self._prompt_ids is None else [list(ids) for ids in self._prompt_ids]
+        rows, pool = self._rows, self.pool
+        if rows.req_rows:
+            new_rows = pool.req_to_token.alloc(len(rows.req_rows))
+            pool.req_to_token.copy_rows(rows.req_rows, new_rows, max(max(self.seq_lens, default=0), 1))
+            twin._rows.req_rows, twin._rows.epoch = new_rows, rows.epoch
+            twin._rows.pages = [list(pages) for pages in rows.pages]
+            for pages in twin._rows.pages:
+                pool.allocator.incref(pages)
+            twin._rows.known = list(rows.known)
+            twin._rows.reserved = [[] for _ in new_rows]
+        return twin
 
     def __enter__(self) -> "PagedCache":
         return self

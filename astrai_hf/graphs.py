@@ -147,7 +147,8 @@ class DecodeGraphRunner:
         self.max_batch = max_batch or min(pool.config.max_reqs, 64)
         self.buckets = bucket_sizes(self.max_batch)
         # padded rows read the table's trash row (every entry slot 0) and write slot 0
-        self.workspace = DecodeWorkspace(self.max_batch, pool.req_to_token.trash_row, device)
+        with torch.inference_mode(False):  # written by every later step, inside inference_mode() or not
+            self.workspace = DecodeWorkspace(self.max_batch, pool.req_to_token.trash_row, device)
         self.graphs: dict[int, object] = {}
         self._mempool = None
         self.replays = 0  # decode steps run through the runner

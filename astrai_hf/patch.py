@@ -90,6 +90,10 @@ def patch(
         prefill_chunk_tokens = as_count("prefill_chunk_tokens", prefill_chunk_tokens, 1)
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
+        if pool is not None and pool_kwargs:
+            raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
+        if pool is None and pool_kwargs:
+            pool = PagePool.from_model(model, **pool_kwargs)
         if pool is not None:
             pool.check_model(model)
             pool.bind_model(model)
@@ -130,17 +134,7 @@ def patch(
         cuda_graphs=_wants_graphs(model, cuda_graphs),
     )
     state.checked_pools.add(id(pool))
-    for name in ("forward", "generate"):
-        if name in model.__dict__:
-            state.saved_attrs[name] = model.__dict__[name]
-    from . import patches  # per-family attention-forward patches, shipped as astrai_hf.patches
-
-    state.family_undo = patches.apply(model, modules)
-    for m in modules:
-        setattr(m, _STATE_ATTR, state)
-    model.forward = _wrap_forward(model, model.forward, state)
-    model.generate = _wrap_generate(model, model.generate, state)
-    setattr(model, _STATE_ATTR, state)
+    _install(model, state, modules)
     logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
                 "on" if state.packable and pack_prefill else "off")
     return model
@@ -148,10 +142,37 @@ def patch(
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`patch`: the model behaves exactly as before it was patched. A no-op on an unpatched model."""
-    state = model.__dict__.pop(_STATE_ATTR, None)
+    state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         return model
-    for name in ("forward", "generate"):
+    _uninstall(model, state)
+    for runner in state.runners.values():
+        runner.close()
+    logger.info("unpatched %s", type(model).__name__)
+    return model
+
+
+_INSTALLED = ("forward", "generate", "__deepcopy__")  # instance attributes patch() sets on the model
+
+
+def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
+    """Put ``state``'s wrappers on ``model``: forward, generate, the family patches, and a ``__deepcopy__``."""
+    state.saved_attrs = {name: model.__dict__[name] for name in _INSTALLED if name in model.__dict__}
+    from . import patches  # per-family attention-forward patches, shipped as astrai_hf.patches
+
+    state.family_undo = patches.apply(model, modules)
+    for m in modules:
+        setattr(m, _STATE_ATTR, state)
+    model.forward = _wrap_forward(model, model.forward, state)
+    model.generate = _wrap_generate(model, model.generate, state)
+    model.__deepcopy__ = functools.partial(_deepcopy_patched, model, state)
+    setattr(model, _STATE_ATTR, state)
+
+
+def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
+    """Take everything :func:`_install` put on ``model`` off again (``state`` itself is left as it is)."""
+    model.__dict__.pop(_STATE_ATTR, None)
+    for name in _INSTALLED:
         if name in state.saved_attrs:
             setattr(model, name, state.saved_attrs[name])
         else:
@@ -160,10 +181,23 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         m.__dict__.pop(_STATE_ATTR, None)
     for undo in reversed(state.family_undo):
         undo()
-    for runner in state.runners.values():
-        runner.close()
-    logger.info("unpatched %s", type(model).__name__)
-    return model
+    state.family_undo = []
+
+
+def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> torch.nn.Module:
+    """``copy.deepcopy`` of a patched model: a copy of the model as it is unpatched, then patched onto the same
+    pool with the same settings. (The wrappers close over the original model: copied as they are, the copy's
+    ``forward`` would run the original's weights.) The pool is shared, not copied."""
+    import copy
+
+    with state.lock:
+        _uninstall(model, state)
+        try:
+            twin = copy.deepcopy(model, memo)
+        finally:
+            _install(model, state, attention_modules(model))
+    return patch(twin, state.pool, pack_prefill=state.pack_prefill, prefill_chunk_tokens=state.prefill_chunk_tokens,
+                 cuda_graphs=state.cuda_graphs)
 
 
 @contextlib.contextmanager
@@ -177,14 +211,18 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
     Yields:
         the patched model.
     """
-    was_patched = is_patched(model)
-    previous = get_pool(model) if was_patched else None
+    state = getattr(model, _STATE_ATTR, None)
+    previous = None
+    if state is not None:
+        previous = {name: getattr(state, name) for name in ("pool", "pack_prefill", "prefill_chunk_tokens",
+                                                            "cuda_graphs")}
     patch(model, pool, **kwargs)
     try:
         yield model
     finally:
-        if was_patched:
-            getattr(model, _STATE_ATTR).pool = previous
+        if previous is not None:
+            for name, value in previous.items():
+                setattr(state, name, value)
         else:
             unpatch(model)
 
@@ -263,6 +301,11 @@ def _wrap_forward(model, forward, state: PatchState):
     def _paged_forward(*args, **kwargs):
         cache = _find_cache(kwargs)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
+            return forward(*args, **kwargs)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
+            # a forward that autograd records (training, a loss): the model's own attention over K/V gathered from
+            # the pool, with this step's K/V live, so gradients flow as with a DynamicCache (paged attention reads
+            # the pool, which is outside autograd)
             return forward(*args, **kwargs)
         if id(cache.pool) not in state.checked_pools:
             cache.pool.check_model(model)
@@ -369,13 +412,21 @@ def _wrap_generate(model, generate, state: PatchState):
             return _paged_generate(*args, **kwargs)
 
     def _paged_generate(*args, **kwargs):
-        config = kwargs.get("generation_config") or model.generation_config
-        if (
-            _find_cache(kwargs) is not None
-            or kwargs.get("use_cache", config.use_cache) is False
-            or kwargs.get("cache_implementation", config.cache_implementation) is not None
-        ):
+        passed = kwargs.get("generation_config")
+        if passed is None and len(args) > 1:  # generate(inputs, generation_config, ...)
+            passed = args[1]
+        config = _GenerationSettings(passed, model.generation_config)
+        if _find_cache(kwargs) is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
+        implementation = _cache_implementation(kwargs, passed, model.generation_config)
+        if implementation is not None:  # asked for in this call: that cache, not ours
+            logger.debug("generate(cache_implementation=%r): stock generate(), not paged", implementation)
+            return generate(*args, **kwargs)
+        default = model.generation_config.cache_implementation
+        if default not in (None, "hybrid") and "cache_implementation" not in kwargs:
+            # the model's own default (a hub generation_config.json); a patched model generates with a PagedCache
+            logger.debug("ignoring generation_config.cache_implementation=%r: generating with a PagedCache", default)
+            kwargs["cache_implementation"] = None
         pool, cache, failed = state.pool, None, None
         try:
             pool.check_weights(model)  # another model's K/V, or weights changed in place: no stale prefix hits
@@ -396,6 +447,31 @@ def _wrap_generate(model, generate, state: PatchState):
     return paged_generate
 
 
+class _GenerationSettings:
+    """What ``generate()`` will use for a setting (``kwargs`` aside): a ``generation_config`` passed to the call,
+    where it sets the value, else the model's own ``generation_config`` (transformers fills a passed config's unset
+    fields from the model's)."""
+
+    def __init__(self, passed, default):
+        self._configs = [c for c in (passed, default) if c is not None]
+
+    def __getattr__(self, name: str):
+        for config in self._configs:
+            value = getattr(config, name, None)
+            if value is not None:
+                return value
+        return None
+
+
+def _cache_implementation(kwargs: dict, passed, default) -> str | None:
+    """The ``cache_implementation`` this call asks for itself (keyword, or a ``generation_config`` passed to it),
+    or None. ``"hybrid"`` counts as None: ``generate()`` itself replaces it with a dynamic cache."""
+    value = kwargs.get("cache_implementation")
+    if value is None and "cache_implementation" not in kwargs and passed is not None:
+        value = getattr(passed, "cache_implementation", None)
+    return None if value == "hybrid" else value
+
+
 def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
     """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
     found."""
@@ -409,11 +485,13 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
             empty = (attention_mask == 0).all(-1).nonzero().flatten().tolist()
             if empty:
                 raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
-        new_tokens = _check_length(input_ids, attention_mask, kwargs, config, pool)
         if attention_mask is None:
             attention_mask = _implied_mask(input_ids, kwargs, config)
         elif attention_mask.shape != input_ids.shape:
-            input_ids = attention_mask = None  # only the new columns were passed; nothing to match
+            attention_mask = None  # only the new columns were passed; nothing to match
+        new_tokens = _check_length(input_ids, attention_mask, kwargs, config, pool)
+        if attention_mask is None:
+            input_ids = None
     else:
         input_ids = attention_mask = None
     # Candidate generation (prompt lookup, assistant models) crops and re-verifies tokens; outputs of every
@@ -421,7 +499,11 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
     # prefix cache.
     candidates = bool(_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
                       or _get(kwargs, config, "assistant_early_exit"))
-    plain = not (candidates or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
+    # The prefix cache keys K/V by token ids alone: K/V computed from embeddings or at positions of the caller's
+    # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
+    custom_inputs = kwargs.get("inputs_embeds") is not None or kwargs.get("position_ids") is not None
+    plain = not (candidates or custom_inputs or _get(kwargs, config, "output_hidden_states")
+                 or _get(kwargs, config, "output_attentions"))
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens)
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
@@ -435,20 +517,21 @@ def _get(kwargs: dict, config, name: str):
     return kwargs[name] if name in kwargs else getattr(config, name, None)
 
 
-def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor | None:
-    """The attention mask ``generate()`` will build for ``input_ids`` when none is passed, if it is all ones:
-    ``generate()`` infers padding from pad tokens only when the pad token occurs and is not an end-of-sequence
-    token. Returns None when padding may be inferred (the cache then reads it from the first forward)."""
+def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor:
+    """The attention mask ``generate()`` builds for ``input_ids`` when none is passed: every pad token masked when
+    the pad token occurs in the prompt and is not an end-of-sequence token, else all ones. (A pad token that
+    starts a prompt, such as a beginning-of-sequence token used as pad, is left padding to ``generate()``.)"""
     pad = kwargs.get("pad_token_id", config.pad_token_id)
     eos = kwargs.get("eos_token_id", config.eos_token_id)
     ones = torch.ones_like(input_ids)
     if pad is None:
         return ones
-    pads = torch.as_tensor(pad).reshape(-1).tolist()
+    pads = torch.as_tensor(pad, device=input_ids.device).reshape(-1)
     eos_ids = torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else []
-    if any(p in eos_ids for p in pads) or not torch.isin(input_ids, torch.as_tensor(pads, device=input_ids.device)).any():
+    padded = torch.isin(input_ids, pads)
+    if any(p in eos_ids for p in pads.tolist()) or not padded.any():
         return ones
-    return None
+    return (~padded).to(input_ids.dtype)
 
 
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> int:

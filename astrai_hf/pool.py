@@ -106,8 +106,11 @@ class PagePool:
             layer_devices=layer_devices,
         )
         self.allocator = PageAllocator(self.config.num_pages, first_page=TRASH_PAGE + 1)
-        self.storage = KVStorage(self.config)
-        self.req_to_token = ReqToTokenPool(max_reqs, max_seq_len, layer_devices[0])
+        # Plain tensors even when the pool is made under torch.inference_mode(): inference tensors could not be
+        # written by a later generate() outside that mode.
+        with torch.inference_mode(False):
+            self.storage = KVStorage(self.config)
+            self.req_to_token = ReqToTokenPool(max_reqs, max_seq_len, layer_devices[0])
         self.prefix_cache = PrefixCache(self.allocator, page_size) if prefix_cache else None
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         self._model_ref = None

@@ -47,8 +47,9 @@ class KVStorage:
             slots: [N] int64 on the layer's device, destination slot of each token.
             key, value: [N, num_kv_heads, head_dim] in the pool's dtype, on the layer's device.
         """
-        self.k[layer_idx].index_copy_(0, slots, key)
-        self.v[layer_idx].index_copy_(0, slots, value)
+        with torch.no_grad():  # the pool is no part of any autograd graph (it outlives every forward)
+            self.k[layer_idx].index_copy_(0, slots, key)
+            self.v[layer_idx].index_copy_(0, slots, value)
 
     def copy_page_prefix(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` slots of ``src_page`` into ``dst_page`` in every layer (copy-on-write)."""

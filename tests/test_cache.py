@@ -324,3 +324,37 @@ def test_reset_cache_learns_the_next_prompts_padding(llama):
     assert torch.equal(out, _stock(llama, ids2, mask2, max_new_tokens=6))
     cache.release()
     assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.equivalence
+def test_deepcopy_shares_pages_and_gives_the_tokens_of_the_transformers_prompt_reuse_recipe():
+    import copy
+
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    prompt = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(4))
+    turns = [torch.cat([prompt, torch.tensor([[7 + i, 8, 9]])], dim=1) for i in range(2)]
+    kw = dict(max_new_tokens=6, do_sample=False)
+
+    def recipe(make_cache):  # fill a cache with the prompt once, then continue from a copy of it per turn
+        prompt_cache = make_cache()
+        with torch.no_grad():
+            model(prompt, past_key_values=prompt_cache)
+        outs = [model.generate(t, past_key_values=copy.deepcopy(prompt_cache), **kw) for t in turns]
+        return outs, prompt_cache
+
+    want, _ = recipe(DynamicCache)
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    got, prompt_cache = recipe(lambda: PagedCache(pool))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    twin = copy.deepcopy(prompt_cache)
+    assert twin.pool is pool and twin.seq_lens == prompt_cache.seq_lens == [10]
+    used = pool.stats()["num_used_pages"]
+    assert used == prompt_cache.num_pages  # the copy holds the same pages, no new ones
+    twin.release()
+    prompt_cache.release()
+    import gc
+
+    gc.collect()  # the copies generate() ran on are released when collected
+    assert pool.stats()["num_used_pages"] == 0

@@ -189,3 +189,34 @@ def test_a_cache_released_after_the_pool_changed_models_caches_nothing():
     finally:
         astrai_hf.unpatch(a)
         astrai_hf.unpatch(b)
+
+
+@pytest.mark.parametrize("custom", ["inputs_embeds", "position_ids"])
+def test_kv_from_embeddings_or_custom_positions_never_reach_the_prefix_cache(custom):
+    model = tiny_model("qwen3")
+    ids, mask = left_padded_batch([12], seed={"inputs_embeds": 1, "position_ids": 3}[custom])
+    extra = {"inputs_embeds": lambda: model.get_input_embeddings()(ids).detach() * 1.5,  # e.g. soft prompts
+             "position_ids": lambda: torch.arange(12)[None] + 100}[custom]()
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    # (positions shifted by a constant give stock's tokens, RoPE being relative, but K/V rotated by that shift)
+    ref, ref_custom = model.generate(ids, **kw), model.generate(ids, **{custom: extra}, **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        assert torch.equal(model.generate(ids, **{custom: extra}, **kw), ref_custom)
+        assert torch.equal(model.generate(ids, **kw), ref)  # the same ids: must not reuse the K/V above
+        assert torch.equal(model.generate(ids, **{custom: extra}, **kw), ref_custom)  # nor hand these its own
+        assert _used(model) == 0
+
+
+def test_a_pad_token_that_starts_a_prompt_without_a_mask_is_padding_as_in_stock():
+    from tiny_models import BOS
+
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id = BOS  # pad == bos: generate() masks the leading bos
+    x = torch.tensor([[BOS, 11, 12, 13, 14, 15, 16, 17]])
+    kw = dict(max_new_tokens=5, do_sample=False)
+    ref_ones, ref = model.generate(x, attention_mask=torch.ones_like(x), **kw), model.generate(x, **kw)
+    with astrai_hf.patched(model, max_tokens=256, page_size=4):
+        for _ in range(2):
+            assert torch.equal(model.generate(x, attention_mask=torch.ones_like(x), **kw), ref_ones)
+            assert torch.equal(model.generate(x, **kw), ref)
+        assert _used(model) == 0

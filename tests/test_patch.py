@@ -90,3 +90,20 @@ def test_prefill_chunk_tokens_takes_a_numpy_int():
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     with astrai_hf.patched(model, prefill_chunk_tokens=np.int64(3)):
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), ref)
+
+
+def test_patching_a_patched_model_with_sizing_makes_that_pool_and_patched_restores_every_setting():
+    model = tiny_model("llama")
+    astrai_hf.patch(model, max_tokens=256, page_size=4, pack_prefill=False, prefill_chunk_tokens=7)
+    try:
+        first, state = astrai_hf.get_pool(model), model._astrai_patch_state
+        with astrai_hf.patched(model, max_tokens=512, page_size=8):
+            inner = astrai_hf.get_pool(model)
+            assert inner is not first and inner.page_size == 8 and inner.stats()["num_pages"] == 512 // 8
+            assert state.pack_prefill and state.prefill_chunk_tokens is None
+        assert astrai_hf.get_pool(model) is first
+        assert not state.pack_prefill and state.prefill_chunk_tokens == 7
+        with pytest.raises(ValueError, match="either a pool or pool sizing"):
+            astrai_hf.patch(model, first, max_tokens=64)
+    finally:
+        astrai_hf.unpatch(model)

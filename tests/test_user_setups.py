@@ -1,0 +1,157 @@
+"""How users run models, from the field's bug reports: under torch.inference_mode() or torch.autocast, in a forward
+that autograd records, deep-copied, with a hub generation_config that names another cache or passed
+positionally. A patched model must behave as stock does there, and leave the pool clean."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import GenerationConfig
+
+import astrai_hf
+from astrai_hf import PagedCache, PagePool
+from tiny_models import left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.equivalence
+
+GREEDY = dict(max_new_tokens=6, do_sample=False)
+
+
+def _used(pool):
+    return pool.stats()["num_used_pages"]
+
+
+def test_a_pool_made_under_inference_mode_serves_calls_outside_it():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 12], seed=1)
+    ref = model.generate(ids, attention_mask=mask, **GREEDY)
+    try:
+        with torch.inference_mode():
+            astrai_hf.patch(model, max_tokens=512, page_size=4, cuda_graphs=True)  # pool and graph workspace here
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
+        pool = astrai_hf.get_pool(model)
+        assert not pool.storage.k[0].is_inference() and not pool.req_to_token.table.is_inference()
+        for _ in range(2):  # outside inference_mode (generate() itself runs under no_grad)
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
+            assert _used(pool) == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_autocast_gives_the_tokens_stock_gives():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 12], seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model.generate(ids, attention_mask=mask, **GREEDY)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # K comes out of RoPE in float32, V in bfloat16
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
+        assert _used(astrai_hf.get_pool(model)) == 0
+
+
+def test_kv_in_a_dtype_the_pool_does_not_store_is_a_clear_error():
+    model = tiny_model("llama")
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    model.to(torch.bfloat16)
+    ids, mask = left_padded_batch([5], seed=2)
+    with PagedCache(pool) as cache, pytest.raises(TypeError, match=r"K in torch.bfloat16 and V in torch.bfloat16.*"
+                                                                    r"stores torch.float32"):
+        model(ids, attention_mask=mask, past_key_values=cache)
+    assert _used(pool) == 0
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_training_forward_with_a_paged_cache_equals_stock_and_can_repeat(patched):
+    model = tiny_model("llama")
+    ids, _ = left_padded_batch([10, 10], seed=2)
+
+    def loss_and_grads(make_cache):
+        model.zero_grad()
+        loss = model(ids, labels=ids, past_key_values=make_cache()).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want_loss, want_grads = loss_and_grads(transformers.DynamicCache)
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    if patched:
+        astrai_hf.patch(model, pool=pool)
+    try:
+        for _ in range(2):  # the second backward once failed: the pool had joined the first step's graph
+            caches = []
+            loss, grads = loss_and_grads(lambda: caches.append(PagedCache(pool, prefix_cache=False)) or caches[-1])
+            caches[0].release()
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+            for got, want in zip(grads, want_grads):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert pool.storage.k[0].grad_fn is None and not pool.storage.k[0].requires_grad
+            assert _used(pool) == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_deepcopy_of_a_patched_model_is_a_patched_model_of_its_own():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([6, 9], seed=3)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        twin = copy.deepcopy(model)
+        assert astrai_hf.is_patched(model) and astrai_hf.is_patched(twin)
+        assert astrai_hf.get_pool(twin) is astrai_hf.get_pool(model)  # shared, not copied
+        with torch.no_grad():
+            for p in twin.parameters():  # the copy's own weights drive the copy
+                p.mul_(1.5)
+        astrai_hf.unpatch(twin)
+        ref_twin = twin.generate(ids, attention_mask=mask, **GREEDY)
+        astrai_hf.patch(twin, astrai_hf.get_pool(model))
+        got_twin = twin.generate(ids, attention_mask=mask, **GREEDY)
+        got = model.generate(ids, attention_mask=mask, **GREEDY)
+        assert torch.equal(got_twin, ref_twin)
+        assert not torch.equal(got_twin, got)
+        astrai_hf.unpatch(twin)
+    assert not astrai_hf.is_patched(model)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), got)  # the original, restored
+
+
+@pytest.mark.parametrize("implementation", ["hybrid", "static", "sliding_window"])
+def test_a_cache_implementation_in_the_models_generation_config_does_not_turn_the_patch_off(implementation):
+    model = tiny_model("gemma2")
+    model.generation_config.cache_implementation = implementation  # as hub generation_config.json files set
+    ids, mask = left_padded_batch([7, 12], seed=1)
+    model.generation_config.cache_implementation = None
+    ref = model.generate(ids, attention_mask=mask, **GREEDY)
+    model.generation_config.cache_implementation = implementation
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
+        s = astrai_hf.get_pool(model).stats()
+        assert s["prefix_query_tokens"] > 0 and s["prefix_hit_tokens"] > 0 and s["num_used_pages"] == 0
+        # asked for in the call itself: that cache, as stock
+        out = model.generate(ids, attention_mask=mask, cache_implementation="static", return_dict_in_generate=True,
+                             **GREEDY)
+        assert type(out.past_key_values).__name__ == "StaticCache"
+
+
+def test_a_generation_config_passed_positionally_is_honoured():
+    model = tiny_model("llama")
+    model.set_attn_implementation("eager")
+    ids, mask = left_padded_batch([6, 10], seed=4)
+    base = {**model.generation_config.to_dict(), "max_new_tokens": 3, "do_sample": False,
+            "return_dict_in_generate": True}
+    with_attn = GenerationConfig(**{**base, "output_attentions": True})
+    with_hidden = GenerationConfig(**{**base, "output_hidden_states": True})
+    too_long = GenerationConfig(**{**base, "max_new_tokens": 600})
+    ref_attn = model.generate(ids, with_attn, attention_mask=mask)
+    ref_hidden = model.generate(ids, with_hidden, attention_mask=mask)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4, max_seq_len=256):
+        got_attn = model.generate(ids, with_attn, attention_mask=mask)
+        model.generate(ids, with_hidden, attention_mask=mask)
+        got_hidden = model.generate(ids, with_hidden, attention_mask=mask)  # no prefix hit may shorten it
+        with pytest.raises(ValueError, match="max_seq_len=256"):  # refused up front, before any forward
+            model.generate(ids, too_long, attention_mask=mask)
+        assert _used(astrai_hf.get_pool(model)) == 0
+    assert len(got_attn.attentions[0]) == len(ref_attn.attentions[0])
+    for got, want in zip(got_attn.attentions[0], ref_attn.attentions[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    real = mask.bool()  # padding columns hold meaningless states, computed differently
+    for got, want in zip(got_hidden.hidden_states[0], ref_hidden.hidden_states[0]):
+        torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
