@@ -8,7 +8,7 @@ import weakref
 import torch
 from transformers import Cache
 
-from .config import as_count
+from .config import as_count, as_flag, as_int
 from .distributed import agree
 from .errors import CacheFullError
 from .metadata import StepMetadata
@@ -126,6 +126,7 @@ class PagedCache(Cache):
     is_compileable = False  # True makes generate() build 4D masks and torch.compile the forward
     stock_attention = False  # a patched model runs its own attention on this cache (set for output_attentions)
     verifies_candidates = False  # set by a patched generate() running prompt lookup or assisted decoding
+    made_by_generate = False  # set on the cache a patched generate() makes for itself (and releases)
     is_croppable = True
 
     def __init__(
@@ -141,6 +142,7 @@ class PagedCache(Cache):
         if not isinstance(pool, PagePool):
             raise TypeError(f"PagedCache needs a PagePool, got {type(pool).__name__}")
         self.reserve_new_tokens = as_count("reserve_new_tokens", reserve_new_tokens, 0)
+        prefix_cache = as_flag("prefix_cache", prefix_cache)
         self.pool = pool
         self.num_layers = pool.num_layers
         self.logical_len = 0
@@ -160,6 +162,8 @@ class PagedCache(Cache):
             return
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         B, L = input_ids.shape
         if B == 0:
             raise ValueError(f"input_ids of shape {(B, L)} holds no prompt; pass at least one row")
@@ -653,7 +657,11 @@ class PagedCache(Cache):
         extra = pool.req_to_token.alloc(len(idx) - n_old) if len(idx) > n_old else []
         new_rows = (old_rows + extra)[: len(idx)]
         width = max(max(self.seq_lens, default=0), 1)
-        pool.req_to_token.copy_rows([old_rows[i] for i in idx], new_rows, width)
+        try:
+            pool.req_to_token.copy_rows([old_rows[i] for i in idx], new_rows, width)
+        except BaseException:
+            pool.req_to_token.free(extra)  # rows not yet recorded: nothing else would return them
+            raise
         new_pages = [list(rows.pages[i]) for i in idx]
         for pages in new_pages:
             pool.allocator.incref(pages)
@@ -666,6 +674,7 @@ class PagedCache(Cache):
     def crop(self, max_length: int) -> None:
         """Drop the last ``-max_length`` columns (transformers 5.x: a count <= 0); a positive value keeps that
         many columns (transformers 4.x meaning)."""
+        max_length = as_int("crop(max_length)", max_length)
         self._step, self._pending_known = None, None
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)
         if keep >= self.logical_len:

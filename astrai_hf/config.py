@@ -134,6 +134,14 @@ def as_int(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
 
 
+def as_flag(name: str, value) -> bool:
+    """``value`` as a bool: Python and numpy bools pass; anything else (a string like ``"no"`` is truthy) raises
+    ``TypeError`` naming ``name`` and the value."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 def as_count(name: str, value, minimum: int) -> int:
     """``value`` as a plain int of at least ``minimum`` (integer scalars of numpy / torch accepted).
 

@@ -15,7 +15,7 @@ import torch
 
 from . import attention, packing
 from .cache import PagedCache, cache_kwarg, left_padding
-from .config import as_count
+from .config import as_count, as_flag
 from .distributed import agree
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules
@@ -40,6 +40,7 @@ class PatchState:
     pack_prefill: bool = False
     prefill_chunk_tokens: int | None = None
     cuda_graphs: bool = False
+    rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
     forward: object = None  # the model's own forward, which the patched one wraps
     # one paged generate() / forward at a time per model: calls from several threads run one after another
@@ -59,7 +60,9 @@ def patch(
 
     After the call ``model.generate(...)`` without a cache argument uses a fresh ``PagedCache`` on
     ``get_pool(model)`` and returns its pages when it finishes. Forwards with any other cache (or none) run the
-    model's own attention, unchanged. Patching a patched model only swaps its pool (when one is given).
+    model's own attention, unchanged. Patching a patched model again applies this call's settings (its defaults
+    included) and swaps the pool when one is given or sized; :func:`patched` restores the earlier settings on
+    exit. A ``torch.compile`` wrapper is patched through to the model it wraps.
 
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``.
@@ -84,10 +87,16 @@ def patch(
     Raises:
         NotImplementedError: the architecture's attention bypasses ``AttentionInterface`` (e.g. Falcon) or has
             no attention modules with a ``layer_idx``.
-        ValueError / TypeError: ``pool`` does not fit the model.
+        ValueError / TypeError: ``pool`` is not a PagePool or does not fit the model; a flag is not a bool.
     """
     if prefill_chunk_tokens is not None:
         prefill_chunk_tokens = as_count("prefill_chunk_tokens", prefill_chunk_tokens, 1)
+    pack_prefill = as_flag("pack_prefill", pack_prefill)
+    if cuda_graphs is not None:
+        cuda_graphs = as_flag("cuda_graphs", cuda_graphs)
+    if pool is not None and not isinstance(pool, PagePool):
+        raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}: {pool!r}")
+    given, model = model, _underlying(model)
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
         if pool is not None and pool_kwargs:
@@ -101,7 +110,7 @@ def patch(
         state.pack_prefill = pack_prefill
         state.prefill_chunk_tokens = prefill_chunk_tokens
         state.cuda_graphs = _wants_graphs(model, cuda_graphs)
-        return model
+        return given
     modules = attention_modules(model)
     if not modules:
         raise NotImplementedError(
@@ -132,24 +141,33 @@ def patch(
         pack_prefill=pack_prefill,
         prefill_chunk_tokens=prefill_chunk_tokens,
         cuda_graphs=_wants_graphs(model, cuda_graphs),
+        rope_by_length=rope_depends_on_length(model.config),
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
     logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
                 "on" if state.packable and pack_prefill else "off")
-    return model
+    return given
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`patch`: the model behaves exactly as before it was patched. A no-op on an unpatched model."""
+    given, model = model, _underlying(model)
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
-        return model
+        return given
     _uninstall(model, state)
     for runner in state.runners.values():
         runner.close()
     logger.info("unpatched %s", type(model).__name__)
-    return model
+    return given
+
+
+def _underlying(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a ``torch.compile`` wrapper (``OptimizedModule``) holds, else ``model``: the wrapper forwards
+    ``generate`` and other attributes to it, so patching the wrapper itself would patch half of each."""
+    inner = getattr(model, "_modules", {}).get("_orig_mod")  # OptimizedModule holds it as a submodule
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 _INSTALLED = ("forward", "generate", "__deepcopy__")  # instance attributes patch() sets on the model
@@ -203,7 +221,8 @@ def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> Iterator[torch.nn.Module]:
     """``with astrai_hf.patched(model): ...``: :func:`patch` for the block, :func:`unpatch` when it is left,
-    also by an exception. A model that was already patched stays patched (and keeps its pool) on exit.
+    also by an exception. A model that was already patched stays patched, with its earlier pool and settings, on
+    exit.
 
     Args:
         model, pool, kwargs: as for :func:`patch`.
@@ -211,7 +230,7 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
     Yields:
         the patched model.
     """
-    state = getattr(model, _STATE_ATTR, None)
+    state = getattr(_underlying(model), _STATE_ATTR, None)
     previous = None
     if state is not None:
         previous = {name: getattr(state, name) for name in ("pool", "pack_prefill", "prefill_chunk_tokens",
@@ -233,14 +252,14 @@ def get_pool(model: torch.nn.Module) -> PagePool:
     Raises:
         ValueError: the model is not patched.
     """
-    state = getattr(model, _STATE_ATTR, None)
+    state = getattr(_underlying(model), _STATE_ATTR, None)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
     return state.pool
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return getattr(model, _STATE_ATTR, None) is not None
+    return getattr(_underlying(model), _STATE_ATTR, None) is not None
 
 
 def _uses_attention_interface(cls: type) -> bool:
@@ -330,12 +349,11 @@ def _wrap_forward(model, forward, state: PatchState):
                     runner = _runner(model, state, cache.pool)
                     if runner.can_run(step, kwargs, input_ids):
                         return runner.run(cache, step, kwargs, input_ids, state)
+                chunk_tokens = None if state.rope_by_length else state.prefill_chunk_tokens
                 if state.packable and not args and packing.wants_packing(
-                    model, kwargs, step, input_ids, drop_padding=state.pack_prefill,
-                    chunk_tokens=state.prefill_chunk_tokens,
+                    model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=chunk_tokens,
                 ):
-                    return packing.packed_forward(forward, kwargs, cache, state, step, input_ids,
-                                                  state.prefill_chunk_tokens)
+                    return packing.packed_forward(forward, kwargs, cache, state, step, input_ids, chunk_tokens)
                 return forward(*args, **kwargs)
         except BaseException:
             cache.crop(-q)  # roll the failed step back so the cache stays consistent
@@ -381,6 +399,7 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
     Raises:
         ValueError: the model is not patched, or is patched with ``cuda_graphs=False``.
     """
+    model = _underlying(model)
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
@@ -416,7 +435,14 @@ def _wrap_generate(model, generate, state: PatchState):
         if passed is None and len(args) > 1:  # generate(inputs, generation_config, ...)
             passed = args[1]
         config = _GenerationSettings(passed, model.generation_config)
-        if _find_cache(kwargs) is not None or kwargs.get("use_cache", config.use_cache) is False:
+        given = _find_cache(kwargs)
+        if isinstance(given, PagedCache) and given.made_by_generate and not given.is_initialized:
+            # the released cache an earlier patched call returned (transformers' multi-turn recipe passes
+            # out.past_key_values back): empty, so this call runs as with no cache, and the prefix cache serves
+            # what the earlier call computed
+            kwargs = {k: v for k, v in kwargs.items() if v is not given}
+            given = None
+        if given is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
         implementation = _cache_implementation(kwargs, passed, model.generation_config)
         if implementation is not None:  # asked for in this call: that cache, not ours
@@ -430,7 +456,7 @@ def _wrap_generate(model, generate, state: PatchState):
         pool, cache, failed = state.pool, None, None
         try:
             pool.check_weights(model)  # another model's K/V, or weights changed in place: no stale prefix hits
-            cache = _cache_for(pool, args, kwargs, config)
+            cache = _cache_for(pool, args, kwargs, config, state.rope_by_length)
         except Exception as e:
             failed = e
         try:
@@ -472,7 +498,7 @@ def _cache_implementation(kwargs: dict, passed, default) -> str | None:
     return None if value == "hybrid" else value
 
 
-def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
+def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config, rope_by_length: bool = False) -> PagedCache:
     """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
     found."""
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -502,15 +528,38 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config) -> PagedCache:
     # The prefix cache keys K/V by token ids alone: K/V computed from embeddings or at positions of the caller's
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
     custom_inputs = kwargs.get("inputs_embeds") is not None or kwargs.get("position_ids") is not None
-    plain = not (candidates or custom_inputs or _get(kwargs, config, "output_hidden_states")
-                 or _get(kwargs, config, "output_attentions"))
+    # K/V computed under autocast are rounded to its dtype; with a RoPE whose frequencies depend on the longest
+    # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the
+    # one stock runs over the whole prompt
+    autocast = torch.is_autocast_enabled(pool.config.layer_devices[0].type)
+    plain = not (candidates or custom_inputs or autocast or rope_by_length
+                 or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens)
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
     cache.verifies_candidates = candidates
+    cache.made_by_generate = True
     return cache
+
+
+def rope_depends_on_length(config) -> bool:
+    """Whether the model's RoPE frequencies depend on the longest position of each forward (transformers'
+    ``dynamic_rope_update``: rope types ``dynamic`` and ``longrope``). Such a model computes a prompt's K/V
+    differently in one forward than in pieces, so neither prefix reuse nor chunked prefill can match stock."""
+    types = set()
+
+    def collect(value) -> None:
+        if isinstance(value, dict):
+            if "rope_type" in value:
+                types.add(str(value["rope_type"]))
+            for v in value.values():
+                collect(v)
+
+    for name in ("rope_parameters", "rope_scaling"):
+        collect(getattr(config, name, None))
+    return any("dynamic" in t or t == "longrope" for t in types)
 
 
 def _get(kwargs: dict, config, name: str):

@@ -90,6 +90,7 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     if pool.prefix_cache is None:
         raise ValueError("this PagePool was built with prefix_cache=False; there is nothing to save")
     model = _model_for(pool, model)
+    pool.check_weights(model)  # pages computed by weights changed since must not be saved under the new ones
     nodes = list(pool.prefix_cache.nodes())
     position = {id(n): i for i, n in enumerate(nodes)}
     index = [[position.get(id(n.parent), -1), list(n.tokens)] for n in nodes]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .allocator import PageAllocator
-from .config import KVSpec, PagePoolConfig, as_count, as_int, page_bytes_by_device
+from .config import KVSpec, PagePoolConfig, as_count, as_flag, as_int, page_bytes_by_device
 from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
 from .prefix_cache import PrefixCache
@@ -111,11 +111,11 @@ class PagePool:
         with torch.inference_mode(False):
             self.storage = KVStorage(self.config)
             self.req_to_token = ReqToTokenPool(max_reqs, max_seq_len, layer_devices[0])
-        self.prefix_cache = PrefixCache(self.allocator, page_size) if prefix_cache else None
+        self.prefix_cache = PrefixCache(self.allocator, page_size) if as_flag("prefix_cache", prefix_cache) else None
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         self._model_ref = None
         self._model_fingerprint: str | None = None
-        self._weights_version: int | None = None
+        self._weights_version: _WeightsVersion | None = None
         # the page holders of live caches that hold reserved pages (room for tokens not yet written)
         self._reservations: weakref.WeakSet = weakref.WeakSet()
 
@@ -305,27 +305,27 @@ class PagePool:
             dropped = self.clear_prefix_cache()
             logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
         self._model_ref, self._model_fingerprint = weakref.ref(model), digest
-        self._weights_version = _weights_version(model)
+        self._weights_version = _WeightsVersion(model)
 
     def check_weights(self, model: torch.nn.Module) -> None:
         """Bind ``model`` if the pool holds another model's K/V, and drop the cached prefixes if the bound model's
-        weights changed in place since they were computed (an optimizer step, ``load_state_dict``, any in-place
-        op on a parameter). Called by a patched ``generate()`` before it looks a prompt up.
+        weights changed since they were computed: in place (an optimizer step, ``load_state_dict``, any in-place op
+        on a parameter) or replaced (``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``).
+        Called by a patched ``generate()`` before it looks a prompt up, and by :meth:`save_prefix_cache`.
 
-        In-place changes are seen through each parameter's version counter, so writes through ``param.data``
+        In-place changes are seen through each parameter's version counter, so in-place writes into ``param.data``
         (which bypass it) are not; call :meth:`clear_prefix_cache` after those.
         """
         if self.model is not model:
             self.bind_model(model)
             return
-        version = _weights_version(model)
-        if self._weights_version is not None and version != self._weights_version:
+        if self._weights_version is not None and not self._weights_version.matches(model):
             dropped = self.clear_prefix_cache()
-            logger.info("the model's weights changed in place: dropped %d cached prefix pages", dropped)
+            logger.info("the model's weights changed: dropped %d cached prefix pages", dropped)
             from .persist import weights_fingerprint
 
             self._model_fingerprint = weights_fingerprint(model)
-        self._weights_version = version
+        self._weights_version = _WeightsVersion(model)
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -478,6 +478,26 @@ def _free_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def _weights_version(model: torch.nn.Module) -> int:
-    """The sum of the parameters' version counters: it grows with every in-place change of any parameter."""
-    return sum(p._version for p in model.parameters())
+class _WeightsVersion:
+    """Whether a model's weights are the ones seen before: the sum of the parameters' version counters (it grows with
+    every in-place change, an optimizer step or ``load_state_dict``), and each parameter's storage, held by weak
+    reference (a new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``). Writes into
+    ``param.data`` in place bypass both."""
+
+    def __init__(self, model: torch.nn.Module):
+        params = _local_params(model)
+        self.version = sum(p._version for p in params)
+        self.storages = [weakref.ref(p.untyped_storage()) for p in params]
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        params = _local_params(model)
+        return (
+            len(params) == len(self.storages)
+            and sum(p._version for p in params) == self.version
+            and all(ref() is p.untyped_storage() for ref, p in zip(self.storages, params))
+        )
+
+
+def _local_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # DTensor: this rank's shard
+

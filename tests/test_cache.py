@@ -358,3 +358,18 @@ def test_deepcopy_shares_pages_and_gives_the_tokens_of_the_transformers_prompt_r
 
     gc.collect()  # the copies generate() ran on are released when collected
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_crop_refuses_a_non_int_and_leaves_the_cache_as_it_was():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 3])
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    cache = PagedCache(pool, ids, mask)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    with pytest.raises(TypeError, match=r"crop\(max_length\) must be an int, got -1.5"):
+        cache.crop(-1.5)
+    assert cache.logical_len == 5 and cache.seq_lens == [5, 3]
+    cache.reorder_cache(torch.tensor([0, 1, 1]))
+    cache.release()
+    assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0

@@ -107,3 +107,22 @@ def test_patching_a_patched_model_with_sizing_makes_that_pool_and_patched_restor
             astrai_hf.patch(model, first, max_tokens=64)
     finally:
         astrai_hf.unpatch(model)
+
+
+def test_bad_arguments_are_named():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 3])
+    with pytest.raises(TypeError, match="pool must be a PagePool, got str"):
+        astrai_hf.patch(model, pool="x")
+    with pytest.raises(TypeError, match="pack_prefill must be True or False, got 'no'"):
+        astrai_hf.patch(model, max_tokens=256, pack_prefill="no")
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False, got 1"):
+        astrai_hf.patch(model, max_tokens=256, cuda_graphs=1)
+    with pytest.raises(TypeError, match="prefix_cache must be True or False, got 'no'"):
+        PagePool.from_model(model, max_tokens=256, prefix_cache="no")
+    pool = PagePool.from_model(model, max_tokens=256)
+    with pytest.raises(TypeError, match="prefix_cache must be True or False"):
+        astrai_hf.PagedCache(pool, prefix_cache=0)
+    with pytest.raises(TypeError, match="integer token ids, got dtype torch.float32"):
+        astrai_hf.PagedCache(pool, ids.float(), mask)
+    assert not astrai_hf.is_patched(model) and pool.stats()["num_used_pages"] == 0

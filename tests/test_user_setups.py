@@ -155,3 +155,114 @@ def test_a_generation_config_passed_positionally_is_honoured():
     real = mask.bool()  # padding columns hold meaningless states, computed differently
     for got, want in zip(got_hidden.hidden_states[0], ref_hidden.hidden_states[0]):
         torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_kv_computed_under_autocast_never_serve_a_later_call_in_the_pools_dtype():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.div_(3.0)  # flatter logits: bf16-rounded K/V change a token
+    ids, mask = left_padded_batch([30, 17], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=2048):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.generate(ids, **kw)
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert _used(astrai_hf.get_pool(model)) == 0
+
+
+@pytest.mark.parametrize("change", ["load_state_dict(assign=True)", ".half().float()", "optimizer step, then save"])
+def test_weights_replaced_or_changed_drop_the_cached_prefixes(change, tmp_path):
+    def weights():
+        m = tiny_model("llama", seed=0)
+        with torch.no_grad():
+            m.get_output_embeddings().weight.div_(3.0)
+        return m
+
+    def apply(m):
+        if change == "load_state_dict(assign=True)":
+            m.load_state_dict(tiny_model("llama", seed=1).state_dict(), assign=True)
+        elif change == ".half().float()":
+            m.half().float()  # new storages of rounded weights; the version counters stay as they were
+        else:
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+
+    ids, mask = left_padded_batch([30, 17], seed=0)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
+    reference = weights()
+    apply(reference)
+    ref = reference.generate(ids, **kw)
+    model = weights()
+    pool = PagePool.from_model(model, max_tokens=2048)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        model.generate(ids, **kw)  # the prefix cache holds K/V of the weights as they are now
+        assert pool.stats()["num_cached_pages"] > 0
+        apply(model)
+        if change.endswith("save"):  # nothing the old weights computed may be saved under the new fingerprint
+            assert pool.save_prefix_cache(tmp_path / "prefix.safetensors") == 0
+        hits = pool.stats()["prefix_hit_tokens"]
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert pool.stats()["prefix_hit_tokens"] == hits  # nothing the old weights computed was reused
+        assert _used(pool) == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_patch_and_unpatch_of_a_torch_compile_wrapper_act_on_the_model_it_wraps():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([9, 14, 5], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    ref = model.generate(ids, **kw)
+    compiled = torch.compile(model)
+    before = set(model.__dict__)
+    assert astrai_hf.patch(compiled, max_tokens=1024) is compiled
+    assert astrai_hf.is_patched(compiled) and astrai_hf.is_patched(model)
+    assert torch.equal(compiled.generate(ids, **kw), ref)
+    assert astrai_hf.get_pool(compiled).stats()["prefix_query_tokens"] > 0  # it ran paged
+    astrai_hf.unpatch(compiled)
+    assert not astrai_hf.is_patched(model) and set(model.__dict__) == before
+
+
+def test_the_multi_turn_recipe_passing_the_returned_cache_back_leaves_nothing_used():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 7], seed=1)
+    more = torch.randint(3, 96, (2, 4), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+
+    def two_turns():
+        out = model.generate(ids, attention_mask=mask, **kw)
+        seq = torch.cat([out.sequences, more], 1)
+        mask2 = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        return model.generate(seq, attention_mask=mask2, past_key_values=out.past_key_values, **kw).sequences
+
+    ref = two_turns()
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        assert torch.equal(two_turns(), ref)
+        s = astrai_hf.get_pool(model).stats()
+        assert s["num_used_pages"] == 0 and s["prefix_hit_tokens"] > 0  # the second turn reused the first
+
+
+def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_chunks():
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+    def fresh():  # dynamic RoPE keeps state between forwards: each run starts from a new model
+        m = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)
+        with torch.no_grad():
+            m.get_output_embeddings().weight.div_(3.0)
+        return m
+
+    kw = dict(max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ids, mask = left_padded_batch([40, 26], seed=0)
+    ref = fresh().generate(ids, attention_mask=mask, **kw)
+    for chunk in (None, 16):
+        model = fresh()
+        with astrai_hf.patched(model, max_tokens=2048, max_seq_len=128, prefill_chunk_tokens=chunk):
+            model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=2, do_sample=False)  # a shorter forward
+            got = model.generate(ids, attention_mask=mask, **kw)
+            assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] == 0
+        assert torch.equal(got.sequences, ref.sequences)
+        for a, b in zip(got.scores, ref.scores):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
