@@ -482,7 +482,8 @@ class _WeightsVersion:
     """Whether a model's weights are the ones seen before: the sum of the parameters' version counters (it grows with
     every in-place change, an optimizer step or ``load_state_dict``), and each parameter's storage, held by weak
     reference (a new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``). Writes into
-    ``param.data`` in place bypass both."""
+    ``param.data`` in place bypass both, and parameters offloaded to disk or CPU by a ``device_map`` are not
+    watched."""
 
     def __init__(self, model: torch.nn.Module):
         params = _local_params(model)
@@ -499,5 +500,8 @@ class _WeightsVersion:
 
 
 def _local_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # DTensor: this rank's shard
+    """This rank's shard of each parameter (DTensor), leaving out those offloaded by a ``device_map`` (``meta``
+    between forwards: accelerate loads a fresh tensor for every forward, so their storages never stay)."""
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    return [p for p in local if not p.is_meta]
 

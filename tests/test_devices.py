@@ -64,6 +64,11 @@ def test_device_map_with_an_offloaded_layer_keeps_kv_where_the_layer_runs(tmp_pa
     assert next(model.model.layers[1].self_attn.parameters()).device.type == "meta"  # weights on disk
     pool = PagePool.from_model(model, max_tokens=256, page_size=4)
     assert pool.config.layer_devices == (torch.device("cpu"),) * 2  # accelerate's execution device, not meta
-    out, ref = paged_and_reference(model, pool, *left_padded_batch([4, 9, 6]))
+    ids, mask = left_padded_batch([4, 9, 6])
+    out, ref = paged_and_reference(model, pool, ids, mask)
     assert torch.equal(out, ref)
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_cached_pages"] > 0
+    # accelerate loads the offloaded layer afresh for every forward: that is no change of the weights, and the
+    # next call is served from the prefix cache
+    out, _ = paged_and_reference(model, pool, ids, mask)
+    assert torch.equal(out, ref) and pool.stats()["prefix_hit_tokens"] > 0
