@@ -137,8 +137,8 @@ def as_int(name: str, value) -> int:
 def as_flag(name: str, value) -> bool:
     """``value`` as a bool: Python and numpy bools pass; anything else (a string like ``"no"`` is truthy) raises
     ``TypeError`` naming ``name`` and the value."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return bool(value)
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)  # numpy 2 names its scalar bool type `bool`, numpy 1 `bool_`
     raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 

@@ -321,10 +321,10 @@ def _wrap_forward(model, forward, state: PatchState):
         cache = _find_cache(kwargs)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
-            # a forward that autograd records (training, a loss): the model's own attention over K/V gathered from
-            # the pool, with this step's K/V live, so gradients flow as with a DynamicCache (paged attention reads
-            # the pool, which is outside autograd)
+        if _records_grad(model, args, kwargs):
+            # a forward that autograd records (training, a loss, gradients of the inputs): the model's own attention
+            # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
+            # (paged attention reads the pool, which is outside autograd)
             return forward(*args, **kwargs)
         if id(cache.pool) not in state.checked_pools:
             cache.pool.check_model(model)
@@ -363,6 +363,15 @@ def _wrap_forward(model, forward, state: PatchState):
 
     state.forward = forward
     return paged_forward
+
+
+def _records_grad(model, args: tuple, kwargs: dict) -> bool:
+    """Whether autograd records this forward: grad mode on, and a parameter or a tensor input requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    inputs = [*args, *kwargs.values()]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs) or any(
+        p.requires_grad for p in model.parameters())
 
 
 @contextlib.contextmanager
@@ -450,9 +459,17 @@ def _wrap_generate(model, generate, state: PatchState):
             return generate(*args, **kwargs)
         default = model.generation_config.cache_implementation
         if default not in (None, "hybrid") and "cache_implementation" not in kwargs:
-            # the model's own default (a hub generation_config.json); a patched model generates with a PagedCache
+            # the model's own default (a hub generation_config.json); a patched model generates with a PagedCache.
+            # Unset for this call only (calls are serialised by the lock), so that no generation kwarg is added.
             logger.debug("ignoring generation_config.cache_implementation=%r: generating with a PagedCache", default)
-            kwargs["cache_implementation"] = None
+            model.generation_config.cache_implementation = None
+            try:
+                return _run_paged(args, kwargs, config)
+            finally:
+                model.generation_config.cache_implementation = default
+        return _run_paged(args, kwargs, config)
+
+    def _run_paged(args, kwargs, config):
         pool, cache, failed = state.pool, None, None
         try:
             pool.check_weights(model)  # another model's K/V, or weights changed in place: no stale prefix hits

@@ -487,16 +487,22 @@ class _WeightsVersion:
 
     def __init__(self, model: torch.nn.Module):
         params = _local_params(model)
-        self.version = sum(p._version for p in params)
+        self.version = _version_sum(params)
         self.storages = [weakref.ref(p.untyped_storage()) for p in params]
 
     def matches(self, model: torch.nn.Module) -> bool:
         params = _local_params(model)
         return (
             len(params) == len(self.storages)
-            and sum(p._version for p in params) == self.version
+            and _version_sum(params) == self.version
             and all(ref() is p.untyped_storage() for ref, p in zip(self.storages, params))
         )
+
+
+def _version_sum(params: list[torch.Tensor]) -> int:
+    # inference tensors (a model built under torch.inference_mode()) keep no version counter, and cannot be
+    # changed in place outside that mode
+    return sum(p._version for p in params if not p.is_inference())
 
 
 def _local_params(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -126,3 +126,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="integer token ids, got dtype torch.float32"):
         astrai_hf.PagedCache(pool, ids.float(), mask)
     assert not astrai_hf.is_patched(model) and pool.stats()["num_used_pages"] == 0
+    import numpy as np
+
+    astrai_hf.unpatch(astrai_hf.patch(model, max_tokens=256, pack_prefill=np.True_, cuda_graphs=np.False_))
+    assert PagePool.from_model(model, max_tokens=256, prefix_cache=np.False_).prefix_cache is None

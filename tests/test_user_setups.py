@@ -2,6 +2,7 @@
 that autograd records, deep-copied, with a hub generation_config that names another cache or passed
 positionally. A patched model must behave as stock does there, and leave the pool clean."""
 
+import contextlib
 import copy
 
 import pytest
@@ -266,3 +267,67 @@ def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_
         assert torch.equal(got.sequences, ref.sequences)
         for a, b in zip(got.scores, ref.scores):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_of_the_inputs_of_a_frozen_model_equal_stock():
+    model = tiny_model("llama")
+    model.requires_grad_(False)  # prompt tuning, saliency: only the inputs require grad
+    ids, mask = left_padded_batch([7, 10, 4])
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+
+    def input_grads(cache):
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        out = model(inputs_embeds=embeds, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out.logits[:, -1].logsumexp(-1).sum().backward()
+        return out.logits[:, -1].detach(), embeds.grad
+
+    want_logits, want_grad = input_grads(transformers.DynamicCache())
+    for patched in (False, True):
+        with astrai_hf.patched(model, pool=pool) if patched else contextlib.nullcontext():
+            with PagedCache(pool, prefix_cache=False) as cache:
+                logits, grad = input_grads(cache)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
+        assert _used(pool) == 0
+
+
+def test_a_model_built_under_inference_mode_can_be_patched():
+    with torch.inference_mode():
+        model = tiny_model("llama")  # inference tensors: no version counters
+    ids, mask = left_padded_batch([7, 10, 4])
+    ref = model.generate(ids, attention_mask=mask, **GREEDY)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
+        s = astrai_hf.get_pool(model).stats()
+        assert s["prefix_hit_tokens"] > 0 and s["num_used_pages"] == 0
+
+
+def test_overriding_the_models_cache_implementation_adds_no_generation_argument():
+    import logging
+
+    seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    from transformers.utils import logging as hf_logging
+
+    handler = Collect()
+    logging.getLogger("transformers").addHandler(handler)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # the tests run with transformers' warnings off
+    try:
+        model = tiny_model("llama")
+        model.generation_config.cache_implementation = "static"
+        ids, mask = left_padded_batch([7, 10, 4])
+        config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        with astrai_hf.patched(model, max_tokens=1024):
+            model.generate(ids, config, attention_mask=mask)
+            assert astrai_hf.get_pool(model).stats()["prefix_query_tokens"] > 0  # it ran paged
+        assert model.generation_config.cache_implementation == "static"  # the model's own config, as it was
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    assert not [m for m in seen if "generation-related arguments" in m]
