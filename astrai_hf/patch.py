@@ -18,7 +18,7 @@ from .cache import PagedCache, cache_kwarg, left_padding
 from .config import as_count, as_flag
 from .distributed import agree
 from .metadata import StepMetadata
-from .pool import PagePool, attention_modules
+from .pool import PagePool, attention_modules, unsupported_model
 
 _STATE_ATTR = "_astrai_patch_state"
 logger = logging.getLogger(__name__)
@@ -86,7 +86,10 @@ def patch(
 
     Raises:
         NotImplementedError: the architecture's attention bypasses ``AttentionInterface`` (e.g. Falcon) or has
-            no attention modules with a ``layer_idx``.
+            no attention modules with a ``layer_idx``; or it has a feature paged attention does not compute
+            (encoder-decoder, cross-attention, hybrid layers, a cache class of its own, multi-head latent attention,
+            attention sinks, KV sharing; see :func:`unsupported_feature`); or chunked attention (Llama 4) with a
+            pool whose ``max_seq_len`` exceeds the chunk.
         ValueError / TypeError: ``pool`` is not a PagePool or does not fit the model; a flag is not a bool.
     """
     if prefill_chunk_tokens is not None:
@@ -105,6 +108,7 @@ def patch(
             pool = PagePool.from_model(model, **pool_kwargs)
         if pool is not None:
             pool.check_model(model)
+            _check_chunked_attention(model, pool)
             pool.bind_model(model)
             state.pool = pool
         state.pack_prefill = pack_prefill
@@ -122,11 +126,16 @@ def patch(
                 f"{cls.__name__} computes attention without transformers' AttentionInterface, so paged attention "
                 f"cannot be routed into {type(model).__name__}; use PagedCache without patch() instead"
             )
+    reason = unsupported_feature(model, modules)
+    if reason is not None:
+        raise NotImplementedError(f"{type(model).__name__}: {reason}; astrai-hf cannot patch it (stock generate() "
+                                  "and an unpatched model are unaffected)")
     if pool is None:
         pool = PagePool.from_model(model, **pool_kwargs)
     elif pool_kwargs:
         raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
     pool.check_model(model)
+    _check_chunked_attention(model, pool)
     pool.bind_model(model)
     attention.register()
 
@@ -260,6 +269,43 @@ def get_pool(model: torch.nn.Module) -> PagePool:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return getattr(_underlying(model), _STATE_ATTR, None) is not None
+
+
+def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) -> str | None:
+    """Why paged attention cannot stand in for ``model``'s attention, or None when it can: the pool's own limits
+    (:func:`~astrai_hf.pool.unsupported_model`), attention sinks, and layers that reuse another layer's K/V (KV
+    sharing)."""
+    reason = unsupported_model(model)
+    if reason is not None:
+        return reason
+    for m in modules:
+        if isinstance(getattr(m, "sinks", None), torch.Tensor):
+            return f"{type(m).__name__} uses attention sinks (a learned extra logit per head)"
+        if getattr(m, "is_kv_shared_layer", False):
+            return f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing)"
+    return None
+
+
+def _check_chunked_attention(model: torch.nn.Module, pool: PagePool) -> None:
+    """Chunked attention (each token sees only the keys of its own ``attention_chunk_size`` block, Llama 4) equals
+    causal attention while no row is longer than a chunk, so it is served by a pool whose ``max_seq_len`` is at most
+    the chunk size.
+
+    Raises:
+        NotImplementedError: the pool's rows may be longer than the model's attention chunk.
+    """
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    chunk = getattr(text, "attention_chunk_size", None)
+    types = getattr(text, "layer_types", None) or []
+    if chunk is None or (types and "chunked_attention" not in types):
+        return
+    if pool.max_seq_len > chunk:
+        raise NotImplementedError(
+            f"{type(model).__name__} uses chunked attention (attention_chunk_size={chunk}), which paged attention "
+            f"computes only for rows of at most {chunk} tokens, but the pool holds rows of up to "
+            f"max_seq_len={pool.max_seq_len}; build it with PagePool.from_model(model, max_seq_len={chunk})"
+        )
 
 
 def _uses_attention_interface(cls: type) -> bool:

@@ -132,9 +132,14 @@ class PagePool:
                 override what is read from the model).
 
         Raises:
+            NotImplementedError: the model's cache is not a K/V cache of one head size (see
+                :func:`unsupported_model`).
             ValueError: as for :class:`PagePool`, or the model's KV heads do not split into whole heads per
                 tensor-parallel rank.
         """
+        reason = unsupported_model(model)
+        if reason is not None:
+            raise NotImplementedError(f"{type(model).__name__}: {reason}; a PagePool cannot hold its cache")
         layers = attention_modules(model)
         if "device" not in kwargs and layers:
             kwargs["device"] = [_module_device(m) for m in layers]
@@ -391,6 +396,42 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(idx, int) and "Attention" in name and "Cross" not in name and idx not in found:
             found[idx] = module
     return [found[i] for i in sorted(found)]
+
+
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # of config.layer_types
+
+
+def unsupported_model(model: torch.nn.Module) -> str | None:
+    """Why a pool cannot hold ``model``'s cache, or None when it can.
+
+    Refused: encoder-decoder models and cross-attention (K/V of another sequence); layers without self-attention
+    (hybrids of attention with convolution, state-space or linear-attention layers, whose state is no K/V cache);
+    models that keep a cache class of their own; K and V of different head sizes (multi-head latent attention).
+    """
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model (its decoder attends to the encoder's states)"
+    cross = sorted({type(m).__name__ for m in model.modules()
+                    if getattr(m, "is_cross_attention", False) is True or "Cross" in type(m).__name__})
+    if cross or any(hasattr(m, "encoder_attn") for m in model.modules()):
+        return f"its layers have cross-attention ({', '.join(cross) or 'encoder_attn'})"
+    supports_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports_cache is not None and not supports_cache():
+        return "it keeps a cache class of its own instead of transformers' Cache"
+    types = getattr(text, "layer_types", None) or []
+    other = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
+    layers = getattr(text, "num_hidden_layers", None)
+    found = sorted(m.layer_idx for m in attention_modules(model))
+    if found and (other or (isinstance(layers, int) and found != list(range(layers)))):
+        kinds = f" ({', '.join(other)} layers)" if other else ""
+        return (f"a hybrid model: self-attention in layers {found} of {layers}{kinds}; the other layers keep a "
+                "state that is not a K/V cache")
+    v_dim = getattr(text, "v_head_dim", None)
+    k_dim = getattr(text, "qk_head_dim", None) or getattr(text, "head_dim", None)
+    if getattr(text, "kv_lora_rank", None) is not None or (v_dim is not None and k_dim is not None and v_dim != k_dim):
+        return f"K and V have different head sizes ({k_dim} and {v_dim}: multi-head latent attention)"
+    return None
 
 
 def model_kv_spec(model: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> KVSpec:

@@ -1,0 +1,171 @@
+"""Model families paged attention does not compute: ``patch()`` refuses each with ``NotImplementedError`` naming
+the feature (before any pool is built or any output changes), and the zero-code hook leaves them on stock
+``generate()``."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import transformers as T
+
+import astrai_hf
+from astrai_hf import PagePool
+
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
+_ENC_DEC = dict(vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+
+
+def _gpt_oss():
+    return T.GptOssForCausalLM(T.GptOssConfig(**_COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                              sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+
+
+def _deepseek_v3():
+    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        **{**_COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=1, topk_group=1))
+
+
+def _lfm2():
+    return T.Lfm2ForCausalLM(T.Lfm2Config(**_COMMON, layer_types=["conv", "full_attention"]))
+
+
+def _jamba():
+    return T.JambaForCausalLM(T.JambaConfig(**_COMMON, num_experts=2, attn_layer_period=2, attn_layer_offset=1,
+                                            expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                                            mamba_dt_rank=4))
+
+
+def _minimax():
+    return T.MiniMaxForCausalLM(T.MiniMaxConfig(**_COMMON, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                                                layer_types=["linear_attention", "full_attention"], block_size=4))
+
+
+def _bart():
+    return T.BartForConditionalGeneration(T.BartConfig(
+        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128, **_ENC_DEC))
+
+
+def _t5():
+    return T.T5ForConditionalGeneration(T.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                                   **_ENC_DEC))
+
+
+def _bart_decoder():
+    return T.BartForCausalLM(T.BartConfig(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+                                          max_position_embeddings=128, is_decoder=True, is_encoder_decoder=False,
+                                          **_ENC_DEC))
+
+
+def _gemma3n(num_kv_shared_layers=2):
+    return T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
+        vocab_size=96, vocab_size_per_layer_input=96, hidden_size=64, hidden_size_per_layer_input=8,
+        intermediate_size=[128] * 4, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+        num_kv_shared_layers=num_kv_shared_layers, laurel_rank=4, altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=256))
+
+
+def _llama4(chunk=4):
+    return T.Llama4ForCausalLM(T.Llama4TextConfig(
+        **{**_COMMON, "head_dim": 16}, intermediate_size_mlp=128, num_local_experts=2, interleave_moe_layer_step=1,
+        no_rope_layers=[1, 1], attention_chunk_size=chunk))
+
+
+UNSUPPORTED = {
+    "gpt_oss": (_gpt_oss, "attention sinks"),
+    "deepseek_v3": (_deepseek_v3, "multi-head latent attention"),
+    "lfm2": (_lfm2, "hybrid model"),
+    "jamba": (_jamba, "hybrid model"),
+    "minimax": (_minimax, "cache class of its own"),
+    "bart": (_bart, "encoder-decoder"),
+    "t5": (_t5, "encoder-decoder"),
+    "bart_decoder": (_bart_decoder, "cross-attention"),
+    "gemma3n_kv_sharing": (_gemma3n, "KV sharing"),
+    "llama4_chunked": (_llama4, "chunked attention"),
+}
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():  # the tiny configs trip transformers' config warnings
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _build(name, **kwargs):
+    torch.manual_seed(0)
+    with _quiet():
+        model = UNSUPPORTED[name][0](**kwargs).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3.0)
+    return model
+
+
+_IDS = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+_KW = dict(attention_mask=torch.ones_like(_IDS), max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_patch_refuses_naming_the_feature(name):
+    model = _build(name)
+    with pytest.raises(NotImplementedError, match=UNSUPPORTED[name][1]):
+        astrai_hf.patch(model, max_tokens=512)
+    assert not astrai_hf.is_patched(model)
+
+
+@pytest.mark.parametrize("name", ["jamba", "lfm2", "bart", "minimax", "deepseek_v3"])
+def test_pool_refuses_a_cache_it_cannot_hold(name):
+    with pytest.raises(NotImplementedError, match=UNSUPPORTED[name][1]):
+        PagePool.from_model(_build(name), max_tokens=512)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "jamba", "bart", "gemma3n_kv_sharing", "llama4_chunked"])
+def test_zero_code_hook_keeps_stock_generate(name):
+    from astrai_hf.patches import autopatch
+
+    model = _build(name)
+    with _quiet():
+        stock = model.generate(_IDS, **_KW)
+    autopatch.install(max_tokens=512)
+    try:
+        with _quiet():
+            out = model.generate(_IDS, **_KW)
+    finally:
+        autopatch.uninstall()
+    assert torch.equal(out, stock)
+    assert not astrai_hf.is_patched(model)
+
+
+def test_chunked_attention_is_served_by_a_pool_no_longer_than_a_chunk():
+    # while no row is longer than a chunk, chunked attention is causal attention: a pool of such rows is accepted
+    model = _build("llama4_chunked")
+    stock = model.generate(_IDS, **{**_KW, "max_new_tokens": 9})
+    with pytest.raises(NotImplementedError, match="max_seq_len=4"):
+        astrai_hf.patch(model, pool=PagePool.from_model(model, max_tokens=512))
+    short = PagePool.from_model(model, max_tokens=512, max_seq_len=4)
+    astrai_hf.patch(model, pool=short)
+    out = model.generate(_IDS[:, :2], **{**_KW, "attention_mask": torch.ones_like(_IDS[:, :2]), "max_new_tokens": 2})
+    assert torch.equal(out, model.__class__.generate(model, _IDS[:, :2], **{
+        **_KW, "attention_mask": torch.ones_like(_IDS[:, :2]), "max_new_tokens": 2}))
+    assert short.stats()["num_used_pages"] == 0
+    with pytest.raises(NotImplementedError, match="chunked attention"):
+        astrai_hf.patch(model, pool=PagePool.from_model(model, max_tokens=512))  # swapping in a longer pool
+    astrai_hf.unpatch(model)
+    assert torch.equal(model.generate(_IDS, **{**_KW, "max_new_tokens": 9}), stock)
+
+
+def test_kv_sharing_off_is_still_patched():
+    model = _build("gemma3n_kv_sharing", num_kv_shared_layers=0)
+    with _quiet():
+        stock = model.generate(_IDS, **_KW)
+    astrai_hf.patch(model, max_tokens=512)
+    assert torch.equal(model.generate(_IDS, **_KW), stock)
+    assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
