@@ -493,8 +493,7 @@ class PagedCache(Cache):
         if self._prompt_pads is not None:
             return list(self._prompt_pads)
         if position_ids is not None and self.logical_len == 0 and position_ids.dim() == 2:
-            last = position_ids[:, -1].tolist()
-            pads = [max(0, q - (int(p) + 1)) for p in last]
+            pads = [_padding_from_positions(row) for row in position_ids.tolist()]
             return pads * B if len(pads) == 1 and B > 1 else pads
         return [0] * B
 
@@ -755,6 +754,18 @@ def _grouped(t: torch.Tensor | None, group: int) -> bool:
         return False
     runs = t.reshape(t.shape[0] // group, group, -1)
     return bool((runs == runs[:, :1]).all())
+
+
+def _padding_from_positions(positions: list[int]) -> int:
+    """Left-padding columns of a first-step row, read from its position ids: the row ends in ``0, 1, ..., n - 1``
+    after ``q - n`` columns of one repeated value (``generate()`` gives padding position 1; ``cumsum - 1``
+    conventions give 0 or -1). Any other row (positions that restart inside it, as for packed documents) is taken
+    as all real tokens."""
+    q, last = len(positions), int(positions[-1])
+    pad = q - (last + 1)
+    if pad <= 0 or positions[pad:] != list(range(last + 1)) or len(set(positions[:pad])) != 1:
+        return 0
+    return pad
 
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:

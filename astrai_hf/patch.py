@@ -367,6 +367,10 @@ def _wrap_forward(model, forward, state: PatchState):
         cache = _find_cache(kwargs)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
+        if _custom_mask(kwargs):
+            # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
+            # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
+            return forward(*args, **kwargs)
         if _records_grad(model, args, kwargs):
             # a forward that autograd records (training, a loss, gradients of the inputs): the model's own attention
             # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
@@ -409,6 +413,18 @@ def _wrap_forward(model, forward, state: PatchState):
 
     state.forward = forward
     return paged_forward
+
+
+_TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # nonzero: image/video spans some models attend both ways
+
+
+def _custom_mask(kwargs: dict) -> bool:
+    """Whether a forward's attention is masked beyond causal-with-left-padding, which paged attention computes:
+    an attention mask of more than 2 dimensions, or nonzero token types."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() > 2:
+        return True
+    return any(isinstance(kwargs.get(name), torch.Tensor) and bool(kwargs[name].any()) for name in _TOKEN_TYPES)
 
 
 def _records_grad(model, args: tuple, kwargs: dict) -> bool:
@@ -499,6 +515,12 @@ def _wrap_generate(model, generate, state: PatchState):
             given = None
         if given is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
+        other = _other_inputs(kwargs)
+        if other:
+            # images, audio, video: their features enter through placeholder ids the prefix cache cannot tell
+            # apart, and some models attend both ways within an image; such calls run stock generate()
+            logger.debug("generate() with %s: stock generate(), not paged", ", ".join(other))
+            return generate(*args, **kwargs)
         implementation = _cache_implementation(kwargs, passed, model.generation_config)
         if implementation is not None:  # asked for in this call: that cache, not ours
             logger.debug("generate(cache_implementation=%r): stock generate(), not paged", implementation)
@@ -534,6 +556,24 @@ def _wrap_generate(model, generate, state: PatchState):
             cache.release()
 
     return paged_generate
+
+
+# tensors generate() takes besides the model's inputs (classifier-free guidance's negative prompt)
+_TEXT_INPUTS = ("inputs", "input_ids", "attention_mask", "position_ids", "inputs_embeds",
+                "negative_prompt_ids", "negative_prompt_attention_mask")
+
+
+def _other_inputs(kwargs: dict) -> list[str]:
+    """Names of the tensor inputs of a ``generate()`` call beyond text (``pixel_values``, ``input_features``, ...,
+    and token types that mark image spans)."""
+    names = []
+    for name, value in kwargs.items():
+        if name in _TEXT_INPUTS or not isinstance(value, torch.Tensor):
+            continue
+        if name in _TOKEN_TYPES and not bool(value.any()):
+            continue  # all text
+        names.append(name)
+    return sorted(names)
 
 
 class _GenerationSettings:
@@ -590,7 +630,7 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config, rope_by_length
                       or _get(kwargs, config, "assistant_early_exit"))
     # The prefix cache keys K/V by token ids alone: K/V computed from embeddings or at positions of the caller's
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
-    custom_inputs = kwargs.get("inputs_embeds") is not None or kwargs.get("position_ids") is not None
+    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids", *_TOKEN_TYPES))
     # K/V computed under autocast are rounded to its dtype; with a RoPE whose frequencies depend on the longest
     # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the
     # one stock runs over the whole prompt

@@ -1,0 +1,140 @@
+"""Inputs beyond left-padded text: position ids that restart inside a row, masks of the caller's making, token
+types, and image prompts. Each equals stock transformers; none is served K/V keyed by token ids alone."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as T
+
+import astrai_hf
+from astrai_hf import PagedCache, PagePool
+from tiny_models import tiny_model
+
+IMG = 95  # the image placeholder id of the tiny multimodal models
+
+
+def _packed_documents():
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # two documents of 4 tokens in one row
+    blocks = torch.tril(torch.ones(8, 8, dtype=torch.bool))
+    blocks[4:, :4] = False
+    mask4d = torch.where(blocks, 0.0, torch.finfo(torch.float32).min)[None, None]  # block-diagonal causal
+    return ids, pos, mask4d
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["position_ids", "position_ids+4d_mask"])
+@pytest.mark.parametrize("patched", [False, True])
+def test_position_ids_that_restart_in_a_row_store_every_token(with_mask, patched):
+    model = tiny_model("llama")
+    ids, pos, mask4d = _packed_documents()
+    extra = {"attention_mask": mask4d} if with_mask else {}
+    kw = {astrai_hf.cache_kwarg(model): None}
+    name = next(iter(kw))
+    pool = PagePool.from_model(model, max_tokens=256)
+    with torch.no_grad():
+        ref = model(ids, position_ids=pos, use_cache=True, **{name: T.DynamicCache()}, **extra).logits
+        if patched:
+            astrai_hf.patch(model, pool=pool)
+        with PagedCache(pool) as cache:
+            out = model(ids, position_ids=pos, use_cache=True, **{name: cache}, **extra).logits
+            assert cache.seq_lens == [8]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("positions", [[1, 1, 0, 1, 2], [0, 0, 0, 1, 2], [-1, -1, 0, 1, 2]])
+def test_left_padding_is_still_read_from_position_ids(positions):
+    model = tiny_model("llama")
+    pool = PagePool.from_model(model, max_tokens=256)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), PagedCache(pool) as cache:
+        model(ids, position_ids=torch.tensor([positions]), use_cache=True, **{astrai_hf.cache_kwarg(model): cache})
+        assert cache.seq_lens == [3]
+
+
+def test_token_types_are_not_served_from_the_prefix_cache():
+    # GPT-2 adds an embedding per token type (zeros included), so the same ids give other K/V with token types
+    model = tiny_model("gpt2")
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    types = {"zeros": torch.zeros_like(ids), "ones": torch.ones_like(ids)}
+    plain = model.generate(ids, **kw).logits[0]
+    stock = {k: model.generate(ids, token_type_ids=t, **kw).logits for k, t in types.items()}
+    assert all((stock[k][0] - plain).abs().max() > 0.1 for k in types)  # token types change the logits
+    astrai_hf.patch(model, max_tokens=512)
+    model.generate(ids, **kw)  # fills the prefix cache for these ids
+    for k, t in types.items():
+        for a, b in zip(model.generate(ids, token_type_ids=t, **kw).logits, stock[k]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+
+
+def _llava():
+    cfg = T.LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                           image_size=28, patch_size=14),
+        image_token_index=IMG)
+    torch.manual_seed(0)
+    model = T.LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3.0)
+    return model
+
+
+def _images():
+    return [torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+
+
+def test_image_prompts_repeated_and_changed_equal_stock():
+    # the same placeholder ids with the same image, then another image: no prefix hit may feed the tail alone
+    model = _llava()
+    ids = torch.tensor([[1] + [IMG] * 4 + [10, 11, 12, 13, 14]])
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+              pad_token_id=0, eos_token_id=None)
+    stock = [model.generate(pixel_values=img, **kw) for img in _images()]
+    assert not torch.equal(stock[0], stock[2])  # the image matters
+    astrai_hf.patch(model, max_tokens=1024)
+    for img, ref in zip(_images(), stock):
+        assert torch.equal(model.generate(pixel_values=img, **kw), ref)
+    pool = astrai_hf.get_pool(model)
+    text = dict(kw, input_ids=ids[:, 5:], attention_mask=torch.ones_like(ids[:, 5:]))
+    paged_text = model.generate(**text)  # text alone is paged
+    assert pool.stats()["prefix_hit_tokens"] == 0 and pool.stats()["num_cached_pages"] > 0
+    assert pool.stats()["num_used_pages"] == 0
+    assert torch.equal(paged_text, astrai_hf.unpatch(model).generate(**text))
+
+
+def test_gemma3_image_spans_attend_both_ways_as_stock():
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = T.Gemma3Config(text_config=text, vision_config=dict(hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=64, image_size=28, patch_size=7),
+                         mm_tokens_per_image=4, image_token_index=IMG, boi_token_index=93, eoi_token_index=94)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = T.Gemma3ForConditionalGeneration(cfg).eval()
+    ids = torch.tensor([[1, 93] + [IMG] * 4 + [94, 10, 11, 12, 13]])
+    tt = (ids == IMG).long()
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=_images()[0], token_type_ids=tt,
+              max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
+              output_logits=True)
+    stock = model.generate(**kw)
+    pool = PagePool.from_model(model, max_tokens=1024)
+    astrai_hf.patch(model, pool=pool)
+    paged = model.generate(**kw)
+    for a, b in zip(paged.logits, stock.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with torch.no_grad(), PagedCache(pool) as cache:  # a forward of its own with the image's token types
+        forward = model(**{k: kw[k] for k in ("input_ids", "attention_mask", "pixel_values", "token_type_ids")},
+                        use_cache=True, **{astrai_hf.cache_kwarg(model): cache}).logits
+    torch.testing.assert_close(forward[:, -1], stock.logits[0], rtol=0, atol=1e-6)
+    assert pool.stats()["num_used_pages"] == 0
