@@ -318,7 +318,9 @@ class PagePool:
         on a parameter) or replaced (``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``).
         Called by a patched ``generate()`` before it looks a prompt up, and by :meth:`save_prefix_cache`.
 
-        In-place changes are seen through each parameter's version counter, so in-place writes into ``param.data``
+        Buffers count as weights, and so do the model's forward hooks and peft adapter state (steering, ablations,
+        ``disable_adapter()``): a hook added or removed, or an adapter switched, drops the cached prefixes too.
+        In-place changes are seen through each tensor's version counter, so in-place writes into ``param.data``
         (which bypass it) are not; call :meth:`clear_prefix_cache` after those.
         """
         if self.model is not model:
@@ -520,24 +522,49 @@ def _free_bytes(device: torch.device) -> int:
 
 
 class _WeightsVersion:
-    """Whether a model's weights are the ones seen before: the sum of the parameters' version counters (it grows with
-    every in-place change, an optimizer step or ``load_state_dict``), and each parameter's storage, held by weak
-    reference (a new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``). Writes into
-    ``param.data`` in place bypass both, and parameters offloaded to disk or CPU by a ``device_map`` are not
-    watched."""
+    """Whether a model computes as it did before, seen from outside its code:
+
+    - its parameters and buffers (RoPE frequencies, scales): the sum of their version counters (it grows with every
+      in-place change, an optimizer step or ``load_state_dict``), and each one's storage, held by weak reference (a
+      new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``);
+    - the forward hooks and pre-hooks on its modules and the global ones (activation steering, ablations, probes);
+    - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales).
+
+    Writes into ``param.data`` in place bypass the counters, and tensors offloaded to disk or CPU by a
+    ``device_map`` are not watched.
+    """
 
     def __init__(self, model: torch.nn.Module):
-        params = _local_params(model)
-        self.version = _version_sum(params)
-        self.storages = [weakref.ref(p.untyped_storage()) for p in params]
+        tensors = _local_tensors(model)
+        self.version = _version_sum(tensors)
+        self.storages = [weakref.ref(t.untyped_storage()) for t in tensors]
+        self.behaviour = _behaviour(model)
 
     def matches(self, model: torch.nn.Module) -> bool:
-        params = _local_params(model)
+        tensors = _local_tensors(model)
         return (
-            len(params) == len(self.storages)
-            and _version_sum(params) == self.version
-            and all(ref() is p.untyped_storage() for ref, p in zip(self.storages, params))
+            len(tensors) == len(self.storages)
+            and _version_sum(tensors) == self.version
+            and all(ref() is t.untyped_storage() for ref, t in zip(self.storages, tensors))
+            and _behaviour(model) == self.behaviour
         )
+
+
+def _behaviour(model: torch.nn.Module) -> tuple:
+    """What changes a model's outputs besides its tensors: the ids of the forward hooks on its modules and of the
+    global module hooks, and each peft tuner layer's adapter state."""
+    from torch.nn.modules import module as nn_module
+
+    state = [tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)]
+    for i, m in enumerate(model.modules()):
+        if m._forward_hooks or m._forward_pre_hooks:
+            state.append((i, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)))
+        cls = type(m)
+        if isinstance(getattr(cls, "active_adapters", None), property) and isinstance(
+                getattr(cls, "disable_adapters", None), property):  # a peft BaseTunerLayer
+            state.append((i, bool(m.disable_adapters), tuple(m.active_adapters), tuple(getattr(m, "merged_adapters", ())),
+                          repr(getattr(m, "scaling", None))))
+    return tuple(state)
 
 
 def _version_sum(params: list[torch.Tensor]) -> int:
@@ -546,9 +573,8 @@ def _version_sum(params: list[torch.Tensor]) -> int:
     return sum(p._version for p in params if not p.is_inference())
 
 
-def _local_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's shard of each parameter (DTensor), leaving out those offloaded by a ``device_map`` (``meta``
-    between forwards: accelerate loads a fresh tensor for every forward, so their storages never stay)."""
-    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
-    return [p for p in local if not p.is_meta]
-
+def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's shard of each parameter and buffer (DTensor), leaving out those offloaded by a ``device_map``
+    (``meta`` between forwards: accelerate loads a fresh tensor for every forward, so their storages never stay)."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in (*model.parameters(), *model.buffers()))
+    return [t for t in local if not t.is_meta]

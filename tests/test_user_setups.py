@@ -212,6 +212,82 @@ def test_weights_replaced_or_changed_drop_the_cached_prefixes(change, tmp_path):
         astrai_hf.unpatch(model)
 
 
+@contextlib.contextmanager
+def _steered(model, global_hook=False):
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 0.5
+
+    def add(module, args, output):  # activation steering: shift the residual stream after layer 0
+        return (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer
+
+    layer = model.model.layers[0]
+    if global_hook:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: add(m, a, o) if m is layer else None)
+    else:
+        handle = layer.register_forward_hook(add)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _rope_scaled(model):
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(0.25)  # position interpolation, in place on a buffer
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            model.model.rotary_emb.inv_freq.mul_(4.0)
+
+
+def _lora(model):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(model, config).eval()
+
+
+CHANGES = {
+    "forward hook": lambda peft_model, model: _steered(model),
+    "global forward hook": lambda peft_model, model: _steered(model, global_hook=True),
+    "RoPE buffer in place": lambda peft_model, model: _rope_scaled(model),
+    "peft disable_adapter()": lambda peft_model, model: peft_model.disable_adapter(),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_changes_outside_the_parameters_are_not_served_stale_prefixes(change):
+    # the K/V of a prompt depend on hooks, buffers and adapter state as much as on the parameters
+    model = tiny_model("llama")
+    generator = _lora(model) if change.startswith("peft") else model
+    ids, mask = left_padded_batch([20, 9], seed=2)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+
+    def run():
+        plain = generator.generate(**kw).logits
+        with CHANGES[change](generator, model):
+            changed = generator.generate(**kw).logits
+        return plain, changed, generator.generate(**kw).logits
+
+    stock = run()
+    assert (stock[1][0] - stock[0][0]).abs().max() > 1e-3  # the change changes the logits
+    pool = PagePool.from_model(model, max_tokens=2048)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        generator.generate(**kw)  # the prefix cache holds these prompts
+        for got, ref in zip(run(), stock):
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert _used(pool) == 0
+        hits = pool.stats()["prefix_hit_tokens"]
+        generator.generate(**kw)
+        assert pool.stats()["prefix_hit_tokens"] > hits  # with nothing changed, prefixes are reused again
+    finally:
+        astrai_hf.unpatch(model)
+
+
 def test_patch_and_unpatch_of_a_torch_compile_wrapper_act_on_the_model_it_wraps():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([9, 14, 5], seed=3)
