@@ -11,6 +11,7 @@ from transformers import Cache
 from .config import as_count, as_flag, as_int
 from .distributed import agree
 from .errors import CacheFullError
+from .interrupts import interrupts_deferred
 from .metadata import StepMetadata
 from .pool import PagePool
 
@@ -37,24 +38,30 @@ class _Rows:
 
     def release(self) -> None:
         pool = self.pool
-        try:
-            # rows written before the prefix cache was last cleared (the pool bound to another model, or the
-            # weights changed) hold K/V no later prompt may reuse
-            if pool.prefix_cache is not None and self.insert_on_release and self.epoch == pool.prefix_cache.epoch:
-                self._insert_into_prefix_cache()
-        finally:
-            for pages in self.pages:
-                pool.allocator.decref(pages)
-            self.drop_reserved()
-            pool.req_to_token.free(self.req_rows)
-            self.req_rows, self.pages, self.known = [], [], []
+        with interrupts_deferred():
+            try:
+                # rows written before the prefix cache was last cleared (the pool bound to another model, or the
+                # weights changed) hold K/V no later prompt may reuse
+                if pool.prefix_cache is not None and self.insert_on_release and self.epoch == pool.prefix_cache.epoch:
+                    self._insert_into_prefix_cache()
+            finally:
+                # the rows are emptied before anything is returned: a release that fails midway may leak, but it
+                # never returns a page twice (the finaliser calls release again)
+                pages, req_rows = self.pages, self.req_rows
+                self.req_rows, self.pages, self.known = [], [], []
+                try:
+                    self.drop_reserved()
+                finally:
+                    try:
+                        pool.allocator.decref([p for row in pages for p in row])
+                    finally:
+                        pool.req_to_token.free(req_rows)
 
     def drop_reserved(self) -> None:
         """Give the reserved pages back to the pool (the rows keep what they hold)."""
-        for pages in self.reserved:
-            self.pool.allocator.decref(pages)
-        self.reserved = [[] for _ in self.req_rows]
+        reserved, self.reserved = self.reserved, [[] for _ in self.req_rows]
         self.pool._reservations.discard(self)
+        self.pool.allocator.decref([p for row in reserved for p in row])
 
     def take(self, r: int, num: int) -> list[int]:
         """``num`` pages for row ``r``'s next tokens: its reserved pages first, then any free ones."""
@@ -219,15 +226,14 @@ class PagedCache(Cache):
                      [n for _, n in hits])
         if not any(use):
             return
-        req_rows = pool.req_to_token.alloc(len(pads))
+        shared = [list(pages[: -(-u // ps)]) for (pages, _), u in zip(hits, use)]
         rows = self._rows
-        rows.req_rows = req_rows
-        rows.epoch = pool.prefix_cache.epoch
-        rows.pages = [list(pages[: -(-u // ps)]) for (pages, _), u in zip(hits, use)]
-        for pages in rows.pages:
-            pool.allocator.incref(pages)  # locked before this call allocates anything
-        rows.known = list(use)
-        rows.reserved = [[] for _ in req_rows]
+        with interrupts_deferred():
+            req_rows = pool.req_to_token.alloc(len(pads))
+            pool.allocator.incref([p for pages in shared for p in pages])  # locked before this call allocates
+            rows.req_rows, rows.pages, rows.known = req_rows, shared, list(use)
+            rows.epoch = pool.prefix_cache.epoch
+            rows.reserved = [[] for _ in req_rows]
         pool.counters["prefix_hit_tokens"] += sum(use)
         w_rows, w_cols, w_slots, w_ids = [], [], [], []
         for r, u in enumerate(use):
@@ -282,15 +288,16 @@ class PagedCache(Cache):
         :meth:`astrai_hf.distributed.RankGroup.agree`), so none is left waiting in the model's next collective.
         """
         step, failed = None, None
-        try:
-            step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged)
-        except Exception as e:
-            failed = e
-        try:
-            agree(self.pool.ranks, failed)
-        except Exception:
-            self.release()
-            raise
+        with interrupts_deferred():
+            try:
+                step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged)
+            except BaseException as e:  # an interrupt too: pages taken for this step are in no row yet
+                failed = e
+            try:
+                agree(self.pool.ranks, failed)
+            except BaseException:
+                self.release()
+                raise
         self._step, self._step_layers = step, set()
         return step
 
@@ -397,9 +404,13 @@ class PagedCache(Cache):
             if cow[r] and alloc.ref_count(pages[p0 // ps]) > 1:
                 old = pages[p0 // ps]
                 (new,) = alloc.alloc(1)
-                pool.storage.copy_page_prefix(old, new, p0 % ps)
-                alloc.decref([old])
+                try:
+                    pool.storage.copy_page_prefix(old, new, p0 % ps)
+                except BaseException:
+                    alloc.decref([new])
+                    raise
                 pages[p0 // ps] = new
+                alloc.decref([old])
                 first = p0 - p0 % ps  # the copied tokens get new slots in the table too
             if grows[r] > 0:
                 pages.extend(rows.take(r, grows[r]))
@@ -638,8 +649,7 @@ class PagedCache(Cache):
 
     def _select_rows(self, idx: list[int]) -> None:
         self._step, self._pending_known = None, None
-        rows, pool = self._rows, self.pool
-        n_old = len(rows.req_rows)
+        n_old = len(self._rows.req_rows)
         if self._num_pad is not None:
             bad = [i for i in idx if not -len(self._num_pad) <= i < len(self._num_pad)]
             if bad:
@@ -651,6 +661,12 @@ class PagedCache(Cache):
             self._prompt_pads = [self._prompt_pads[i] for i in idx]
         if n_old == 0:
             return
+        with interrupts_deferred():
+            self._reassign_rows(idx)
+
+    def _reassign_rows(self, idx: list[int]) -> None:
+        rows, pool = self._rows, self.pool
+        n_old = len(rows.req_rows)
         rows.drop_reserved()
         old_rows = rows.req_rows
         extra = pool.req_to_token.alloc(len(idx) - n_old) if len(idx) > n_old else []
@@ -662,13 +678,12 @@ class PagedCache(Cache):
             pool.req_to_token.free(extra)  # rows not yet recorded: nothing else would return them
             raise
         new_pages = [list(rows.pages[i]) for i in idx]
-        for pages in new_pages:
-            pool.allocator.incref(pages)
-        for pages in rows.pages:
-            pool.allocator.decref(pages)
-        pool.req_to_token.free(old_rows[len(idx):])
+        old_pages = rows.pages
+        pool.allocator.incref([p for pages in new_pages for p in pages])
         rows.req_rows, rows.pages, rows.known = new_rows, new_pages, [rows.known[i] for i in idx]
         rows.reserved = [[] for _ in idx]
+        pool.allocator.decref([p for pages in old_pages for p in pages])
+        pool.req_to_token.free(old_rows[len(idx):])
 
     def crop(self, max_length: int) -> None:
         """Drop the last ``-max_length`` columns (transformers 5.x: a count <= 0); a positive value keeps that
@@ -680,6 +695,10 @@ class PagedCache(Cache):
             return
         keep = max(keep, 0)
         self.logical_len = keep
+        with interrupts_deferred():
+            self._drop_columns(keep)
+
+    def _drop_columns(self, keep: int) -> None:
         rows, pool, ps = self._rows, self.pool, self.pool.page_size
         rows.drop_reserved()
         for r, pages in enumerate(rows.pages):

@@ -166,7 +166,11 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
             if alloc.num_free == 0:
                 continue
             (page,) = alloc.alloc(1)
-            nodes[i] = cache.attach(parent, tokens, page)
+            try:
+                nodes[i] = cache.attach(parent, tokens, page)
+            except BaseException:
+                alloc.decref([page])
+                raise
             placed.append((i, page))
         if placed:
             src = torch.tensor([i for i, _ in placed], dtype=torch.long)

@@ -93,14 +93,23 @@ class PrefixCache:
 
     def attach(self, parent: _Node, tokens: tuple[int, ...], page: int) -> _Node:
         """Index ``page`` as the child of ``parent`` holding ``tokens``. The cache takes over one reference the
-        caller already holds on ``page``."""
+        caller already holds on ``page``; an exception midway leaves nothing indexed and the reference with the
+        caller."""
         key = page_key(parent.key, tokens)
         node = _Node(key, page, tokens, parent)
         self._clock += 1
         node.last_access = self._clock
-        parent.children.append(node)
-        self._buckets.setdefault(key, []).append(node)
-        self._by_page[page] = node
+        try:
+            self._by_page[page] = node
+            self._buckets.setdefault(key, []).append(node)
+            parent.children.append(node)
+        except BaseException:  # an interrupt midway: unindex what was indexed (the reference stays the caller's)
+            self._by_page.pop(page, None)
+            if node in self._buckets.get(key, ()):
+                self._buckets[key].remove(node)
+            if node in parent.children:
+                parent.children.remove(node)
+            raise
         return node
 
     def match(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
@@ -171,7 +180,11 @@ class PrefixCache:
                 if page in self._by_page:  # cannot happen for a consistent row; never index a page twice
                     break
                 self.allocator.incref([page])
-                found = self.attach(node, chunk, page)
+                try:
+                    found = self.attach(node, chunk, page)
+                except BaseException:  # not indexed: the reference taken for the index goes back
+                    self.allocator.decref([page])
+                    raise
                 added += 1
                 self._drop_covered_tails(node, found)
             found.last_access = self._clock

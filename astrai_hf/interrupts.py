@@ -1,0 +1,40 @@
+"""Ctrl-C held back while the pool's books change.
+
+A ``KeyboardInterrupt`` is raised between any two bytecodes of the main thread. Landing between a page's
+allocation and its record in a row, or between a ref count and the index that holds it, it would leak the page for
+good or free it twice. The bookkeeping of a cache (planning a step, selecting rows, releasing) runs inside
+:func:`interrupts_deferred`, and a Ctrl-C that arrives there is raised as soon as the books are consistent again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT back for the ``with`` block, then deliver it to the handler that was installed.
+
+    A no-op outside the main thread (only it receives signals) or where the handler cannot be changed. Nests.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    except (ValueError, TypeError):  # not the main interpreter, or signals unavailable
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, received[0])  # the default handler raises KeyboardInterrupt
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
