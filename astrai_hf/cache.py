@@ -669,7 +669,14 @@ class PagedCache(Cache):
         n_old = len(rows.req_rows)
         rows.drop_reserved()
         old_rows = rows.req_rows
-        extra = pool.req_to_token.alloc(len(idx) - n_old) if len(idx) > n_old else []
+        try:
+            extra = pool.req_to_token.alloc(len(idx) - n_old) if len(idx) > n_old else []
+        except CacheFullError as e:
+            raise CacheFullError(
+                e.needed, e.free, unit=e.unit,
+                detail=f"growing {n_old} rows to {len(idx)} (beams or num_return_sequences), "
+                       f"max_reqs={pool.req_to_token.max_reqs}",
+            ) from None
         new_rows = (old_rows + extra)[: len(idx)]
         width = max(max(self.seq_lens, default=0), 1)
         try:

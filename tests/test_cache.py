@@ -109,6 +109,18 @@ def test_too_many_rows_is_cache_full(llama):
     assert pool.stats()["num_reqs_used"] == 0
 
 
+def test_beams_beyond_max_reqs_say_how_many_rows_the_batch_grew_to(llama):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_reqs=4)
+    ids, mask = left_padded_batch([3, 4, 5])
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        with pytest.raises(CacheFullError, match=r"growing 3 rows to 9 \(beams or num_return_sequences\), max_reqs=4"):
+            llama.generate(ids, attention_mask=mask, max_new_tokens=2, num_beams=3, do_sample=False)
+    finally:
+        astrai_hf.unpatch(llama)
+    assert pool.stats()["num_reqs_used"] == 0 and pool.stats()["num_used_pages"] == 0
+
+
 def test_prompt_longer_than_max_seq_len_fails_before_any_forward(llama, monkeypatch):
     pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_seq_len=12)
     ids, mask = left_padded_batch([6, 9])
