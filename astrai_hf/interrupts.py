@@ -16,16 +16,22 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT back for the ``with`` block, then deliver it to the handler that was installed.
+    """Hold SIGINT back for the ``with`` block, then deliver it to the Python handler that was installed (the
+    default one raises ``KeyboardInterrupt``).
 
-    A no-op outside the main thread (only it receives signals) or where the handler cannot be changed. Nests.
+    A no-op outside the main thread (only it receives signals), where no Python handler is installed (SIGINT
+    ignored, left to the system, or set outside Python), or where the handler cannot be changed. Nests.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
     received = []
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+        signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
     except (ValueError, TypeError):  # not the main interpreter, or signals unavailable
         yield
         return
@@ -34,7 +40,4 @@ def interrupts_deferred() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         if received:
-            if callable(previous):
-                previous(signal.SIGINT, received[0])  # the default handler raises KeyboardInterrupt
-            elif previous == signal.SIG_DFL:
-                raise KeyboardInterrupt
+            previous(signal.SIGINT, received[0])

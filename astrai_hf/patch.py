@@ -41,6 +41,7 @@ class PatchState:
     prefill_chunk_tokens: int | None = None
     cuda_graphs: bool = False
     rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
+    embeds_token_types: bool = True  # token types (zeros too) enter the embeddings: no prefix reuse with them
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
     forward: object = None  # the model's own forward, which the patched one wraps
     # one paged generate() / forward at a time per model: calls from several threads run one after another
@@ -151,6 +152,7 @@ def patch(
         prefill_chunk_tokens=prefill_chunk_tokens,
         cuda_graphs=_wants_graphs(model, cuda_graphs),
         rope_by_length=rope_depends_on_length(model.config),
+        embeds_token_types=embeds_token_types(model),
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
@@ -418,6 +420,22 @@ def _wrap_forward(model, forward, state: PatchState):
 _TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")  # nonzero: image/video spans some models attend both ways
 
 
+def embeds_token_types(model: torch.nn.Module) -> bool:
+    """Whether ``model`` adds an embedding of ``token_type_ids`` to its inputs (GPT-2, GPT-BigCode: then even zeros
+    change the K/V), read from the source of the modules it is built of."""
+    for cls in {type(m) for m in model.modules()}:
+        if cls.__module__.startswith("torch."):
+            continue
+        module = sys.modules.get(cls.__module__)
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            return True  # cannot tell: assume it does
+        if "token_type_embeds" in source or "token_type_embeddings" in source:
+            return True
+    return False
+
+
 def _custom_mask(kwargs: dict) -> bool:
     """Whether a forward's attention is masked beyond causal-with-left-padding, which paged attention computes:
     an attention mask of more than 2 dimensions, or nonzero token types."""
@@ -541,7 +559,7 @@ def _wrap_generate(model, generate, state: PatchState):
         pool, cache, failed = state.pool, None, None
         try:
             pool.check_weights(model)  # another model's K/V, or weights changed in place: no stale prefix hits
-            cache = _cache_for(pool, args, kwargs, config, state.rope_by_length)
+            cache = _cache_for(pool, args, kwargs, config, state.rope_by_length, state.embeds_token_types)
         except Exception as e:
             failed = e
         try:
@@ -601,7 +619,8 @@ def _cache_implementation(kwargs: dict, passed, default) -> str | None:
     return None if value == "hybrid" else value
 
 
-def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config, rope_by_length: bool = False) -> PagedCache:
+def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config, rope_by_length: bool = False,
+               embeds_token_types: bool = True) -> PagedCache:
     """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
     found."""
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -630,7 +649,10 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config, rope_by_length
                       or _get(kwargs, config, "assistant_early_exit"))
     # The prefix cache keys K/V by token ids alone: K/V computed from embeddings or at positions of the caller's
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
-    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids", *_TOKEN_TYPES))
+    # Token types (GPT-2 embeds them, type 0 included) likewise; in models that only mask with them (Gemma 3,
+    # Qwen2.5-VL processors send zeros with plain text) zeros are plain text.
+    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids")) or (
+        embeds_token_types and any(kwargs.get(name) is not None for name in _TOKEN_TYPES))
     # K/V computed under autocast are rounded to its dtype; with a RoPE whose frequencies depend on the longest
     # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the
     # one stock runs over the whole prompt

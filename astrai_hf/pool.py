@@ -550,15 +550,23 @@ class _WeightsVersion:
         )
 
 
+def _hook_ids(hooks: dict) -> tuple:
+    """The ids of the hooks in a module's hook dict, leaving out transformers' own (the output-capturing hooks it
+    installs for good on the first forward that asks for hidden states or attentions only record outputs)."""
+    return tuple(k for k, fn in hooks.items() if not getattr(fn, "__module__", "").startswith("transformers."))
+
+
 def _behaviour(model: torch.nn.Module) -> tuple:
     """What changes a model's outputs besides its tensors: the ids of the forward hooks on its modules and of the
-    global module hooks, and each peft tuner layer's adapter state."""
+    global module hooks (transformers' own left out), and each peft tuner layer's adapter state."""
     from torch.nn.modules import module as nn_module
 
-    state = [tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)]
+    state = [_hook_ids(nn_module._global_forward_hooks), _hook_ids(nn_module._global_forward_pre_hooks)]
     for i, m in enumerate(model.modules()):
         if m._forward_hooks or m._forward_pre_hooks:
-            state.append((i, tuple(m._forward_hooks), tuple(m._forward_pre_hooks)))
+            hooks = (_hook_ids(m._forward_hooks), _hook_ids(m._forward_pre_hooks))
+            if any(hooks):
+                state.append((i, *hooks))
         cls = type(m)
         if isinstance(getattr(cls, "active_adapters", None), property) and isinstance(
                 getattr(cls, "disable_adapters", None), property):  # a peft BaseTunerLayer

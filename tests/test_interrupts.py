@@ -144,3 +144,18 @@ def test_interrupts_deferred_is_a_no_op_off_the_main_thread():
     t.start()
     t.join()
     assert seen == [signal.default_int_handler]
+
+
+@pytest.mark.parametrize("disposition", [signal.SIG_IGN, "user handler"])
+def test_interrupts_deferred_keeps_the_callers_sigint_setting(disposition):
+    calls = []
+    handler = (lambda signum, frame: calls.append(signum)) if disposition == "user handler" else disposition
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        with interrupts_deferred():
+            _ctrl_c()
+            assert calls == []  # held back inside
+        assert signal.getsignal(signal.SIGINT) is handler
+        assert calls == ([signal.SIGINT] if disposition == "user handler" else [])
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -288,6 +288,26 @@ def test_changes_outside_the_parameters_are_not_served_stale_prefixes(change):
         astrai_hf.unpatch(model)
 
 
+def test_transformers_own_output_hooks_keep_the_cached_prefixes():
+    # the first forward asking for hidden states makes transformers install output-capturing hooks for good;
+    # they only record outputs, so they do not make the cached K/V stale
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([20, 9], seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    pool = PagePool.from_model(model, max_tokens=2048)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        model.generate(ids, **kw)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, output_hidden_states=True)
+        assert any(m._forward_hooks for m in model.modules())
+        hits = pool.stats()["prefix_hit_tokens"]
+        model.generate(ids, **kw)
+        assert pool.stats()["prefix_hit_tokens"] > hits
+    finally:
+        astrai_hf.unpatch(model)
+
+
 def test_patch_and_unpatch_of_a_torch_compile_wrapper_act_on_the_model_it_wraps():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([9, 14, 5], seed=3)
