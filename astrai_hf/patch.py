@@ -43,6 +43,10 @@ class PatchState:
     rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
     embeds_token_types: bool = True  # token types (zeros too) enter the embeddings: no prefix reuse with them
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
+    # the sizing patch() built the default pool with (None: the caller gave the pool); such a pool is rebuilt when
+    # the model is moved to another dtype or device
+    own_pool_kwargs: dict | None = None
+    modules: list = field(default_factory=list)  # the attention modules
     forward: object = None  # the model's own forward, which the patched one wraps
     # one paged generate() / forward at a time per model: calls from several threads run one after another
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -63,7 +67,10 @@ def patch(
     ``get_pool(model)`` and returns its pages when it finishes. Forwards with any other cache (or none) run the
     model's own attention, unchanged. Patching a patched model again applies this call's settings (its defaults
     included) and swaps the pool when one is given or sized; :func:`patched` restores the earlier settings on
-    exit. A ``torch.compile`` wrapper is patched through to the model it wraps.
+    exit. A ``torch.compile`` wrapper is patched through to the model it wraps. A pool ``patch()`` builds itself
+    follows the model: when the model is later moved to another dtype or device (``model.to(...)``), the next
+    ``generate()`` builds a new one with the same sizing. A pool you pass is kept; a moved model then fails with
+    an error naming the mismatch.
 
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``.
@@ -107,6 +114,9 @@ def patch(
             raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
         if pool is None and pool_kwargs:
             pool = PagePool.from_model(model, **pool_kwargs)
+            state.own_pool_kwargs = dict(pool_kwargs)
+        elif pool is not None:
+            state.own_pool_kwargs = None
         if pool is not None:
             pool.check_model(model)
             _check_chunked_attention(model, pool)
@@ -131,8 +141,10 @@ def patch(
     if reason is not None:
         raise NotImplementedError(f"{type(model).__name__}: {reason}; astrai-hf cannot patch it (stock generate() "
                                   "and an unpatched model are unaffected)")
+    own_pool_kwargs = None
     if pool is None:
         pool = PagePool.from_model(model, **pool_kwargs)
+        own_pool_kwargs = dict(pool_kwargs)
     elif pool_kwargs:
         raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
     pool.check_model(model)
@@ -153,6 +165,8 @@ def patch(
         cuda_graphs=_wants_graphs(model, cuda_graphs),
         rope_by_length=rope_depends_on_length(model.config),
         embeds_token_types=embeds_token_types(model),
+        own_pool_kwargs=own_pool_kwargs,
+        modules=list(modules),
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
@@ -244,8 +258,8 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
     state = getattr(_underlying(model), _STATE_ATTR, None)
     previous = None
     if state is not None:
-        previous = {name: getattr(state, name) for name in ("pool", "pack_prefill", "prefill_chunk_tokens",
-                                                            "cuda_graphs")}
+        previous = {name: getattr(state, name) for name in ("pool", "own_pool_kwargs", "pack_prefill",
+                                                            "prefill_chunk_tokens", "cuda_graphs")}
     patch(model, pool, **kwargs)
     try:
         yield model
@@ -556,6 +570,8 @@ def _wrap_generate(model, generate, state: PatchState):
         return _run_paged(args, kwargs, config)
 
     def _run_paged(args, kwargs, config):
+        if state.own_pool_kwargs is not None and not state.pool.fits_placement(state.modules):
+            _rebuild_pool(model, state)
         pool, cache, failed = state.pool, None, None
         try:
             pool.check_weights(model)  # another model's K/V, or weights changed in place: no stale prefix hits
@@ -574,6 +590,19 @@ def _wrap_generate(model, generate, state: PatchState):
             cache.release()
 
     return paged_generate
+
+
+def _rebuild_pool(model, state: PatchState) -> None:
+    """Replace the default pool of a model moved to another dtype or device since ``patch()`` built it (its cached
+    prefixes were computed by the model before the move)."""
+    old = state.pool
+    state.pool = PagePool.from_model(model, **state.own_pool_kwargs)
+    state.checked_pools.add(id(state.pool))
+    runner = state.runners.pop(id(old), None)
+    if runner is not None:
+        runner.close()
+    logger.info("%s moved to %s since patch(): built a new pool %r", type(model).__name__,
+                state.pool.dtype, state.pool)
 
 
 # tensors generate() takes besides the model's inputs (classifier-free guidance's negative prompt)

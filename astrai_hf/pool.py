@@ -199,6 +199,14 @@ class PagePool:
                     f"{self.config.layer_devices[idx]}"
                 )
 
+    def fits_placement(self, modules: list[torch.nn.Module]) -> bool:
+        """Whether the attention modules ``modules`` (see :func:`attention_modules`) still compute in this pool's
+        dtype and on its layers' devices (a model moved with ``.to()`` after its pool was built does not)."""
+        return all(
+            _module_dtype(m) == self.dtype and _module_device(m) == self.config.layer_devices[m.layer_idx]
+            for m in modules
+        )
+
     # ------------------------------------------------------------------ statistics
     def stats(self) -> dict[str, int | dict[str, int]]:
         """Counters of the pool: ints, and one dict of ints.

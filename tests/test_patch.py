@@ -130,3 +130,41 @@ def test_bad_arguments_are_named():
 
     astrai_hf.unpatch(astrai_hf.patch(model, max_tokens=256, pack_prefill=np.True_, cuda_graphs=np.False_))
     assert PagePool.from_model(model, max_tokens=256, prefix_cache=np.False_).prefix_cache is None
+
+
+@pytest.mark.parametrize("sizing", [{}, {"max_tokens": 512, "page_size": 8}])
+def test_a_model_moved_to_another_dtype_after_patch_gets_a_new_pool(sizing):
+    # patch(model) then model.to(...): the pool patch() built follows the model, with the same sizing
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    astrai_hf.patch(model, **sizing)
+    first = astrai_hf.get_pool(model)
+    model.generate(ids, **kw)
+    model.to(torch.bfloat16)
+    try:
+        out = model.generate(ids, **kw)
+        pool = astrai_hf.get_pool(model)
+        assert pool is not first and pool.dtype == torch.bfloat16
+        assert pool.page_size == first.page_size
+        if "max_tokens" in sizing:
+            assert pool.stats()["num_pages"] == first.stats()["num_pages"]
+        assert pool.stats()["num_used_pages"] == 0
+        assert model.generate(ids, **kw).equal(out) and astrai_hf.get_pool(model) is pool  # built once
+    finally:
+        astrai_hf.unpatch(model)
+    assert torch.equal(out, model.generate(ids, **kw))
+
+
+def test_a_pool_the_caller_gave_is_not_replaced_when_the_model_moves():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    pool = PagePool.from_model(model, max_tokens=512)
+    astrai_hf.patch(model, pool=pool)
+    model.to(torch.bfloat16)
+    try:
+        with pytest.raises(TypeError, match="build the pool with PagePool.from_model"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert astrai_hf.get_pool(model) is pool and pool.stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(model)
