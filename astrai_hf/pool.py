@@ -398,9 +398,20 @@ class PagePool:
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules of ``model`` that own a KV cache layer, ordered by ``layer_idx``."""
+    """The self-attention modules of ``model``'s text decoder that own a KV cache layer, ordered by ``layer_idx``.
+    Vision and audio towers of a multimodal model (their attention modules may carry a ``layer_idx`` too) are left
+    out: the decoder is ``model.get_decoder()`` where transformers finds one."""
+    root = model
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            decoder = get_decoder()
+        except Exception:  # transformers raises for models it has no rule for
+            decoder = None
+        if isinstance(decoder, torch.nn.Module):
+            root = decoder
     found = {}
-    for module in model.modules():
+    for module in root.modules():
         idx = getattr(module, "layer_idx", None)
         name = type(module).__name__
         if isinstance(idx, int) and "Attention" in name and "Cross" not in name and idx not in found:

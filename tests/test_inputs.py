@@ -159,3 +159,27 @@ def test_gemma3_image_spans_attend_both_ways_as_stock():
                         use_cache=True, **{astrai_hf.cache_kwarg(model): cache}).logits
     torch.testing.assert_close(forward[:, -1], stock.logits[0], rtol=0, atol=1e-6)
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_attention_of_a_vision_tower_is_not_taken_for_decoder_layers():
+    # Gemma 4's vision encoder layers carry a layer_idx too; only the text decoder's attention owns the cache
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
+    text = dict(**common, head_dim=16, global_head_dim=16, sliding_window=5, num_kv_shared_layers=0,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, global_head_dim=8)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = T.Gemma4ForConditionalGeneration(T.Gemma4Config(text_config=text, vision_config=vision,
+                                                                  audio_config=None)).eval()
+    assert [m.layer_idx for m in astrai_hf.pool.attention_modules(model)] == [0, 1]
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
+              eos_token_id=None)
+    stock = model.generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=512)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, **kw), stock)
+    assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] == 11
