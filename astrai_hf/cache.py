@@ -152,6 +152,7 @@ class PagedCache(Cache):
         prefix_cache = as_flag("prefix_cache", prefix_cache)
         self.pool = pool
         self.num_layers = pool.num_layers
+        self._num_storing_layers = len(pool.config.spec.stored_layers)  # layers that call update() per step
         self.logical_len = 0
         self._rows = _Rows(pool)
         self._rows.insert_on_release = prefix_cache
@@ -537,7 +538,7 @@ class PagedCache(Cache):
         self._pending_q = 0
         self._step_layers.add(layer_idx)
         key_states, value_states = self._check_layer(layer_idx, key_states, value_states)
-        if self._pending_known is not None and len(self._step_layers) == self.num_layers:
+        if self._pending_known is not None and len(self._step_layers) == self._num_storing_layers:
             self._rows.known, self._pending_known = self._pending_known, None  # every layer stored this step
         view = step.on(key_states.device)
         B, H, q, D = key_states.shape

@@ -18,12 +18,20 @@ class KVSpec:
             the heads one rank holds.
         head_dim: channels per head.
         model_type: ``config.model_type``, for error messages and fingerprints.
+        kv_source: per layer, the layer whose K/V it attends over: itself, or an earlier layer of the same type for
+            a layer that reuses another's K/V (KV sharing, Gemma 3n); empty when every layer keeps its own.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     model_type: str = ""
+    kv_source: tuple[int, ...] = ()
+
+    @property
+    def stored_layers(self) -> list[int]:
+        """The layers that store K/V of their own (every layer, without KV sharing)."""
+        return [i for i in range(self.num_layers) if not self.kv_source or self.kv_source[i] == i]
 
     @classmethod
     def from_config(cls, config) -> "KVSpec":
@@ -42,11 +50,34 @@ class KVSpec:
             )
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-        return cls(int(num_layers), int(num_kv_heads), int(head_dim), getattr(text, "model_type", "") or "")
+        return cls(int(num_layers), int(num_kv_heads), int(head_dim), getattr(text, "model_type", "") or "",
+                   kv_sharing_sources(text, int(num_layers)))
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K plus V for one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+        """Bytes of K plus V for one token across all layers (a layer that reuses another's K/V stores none)."""
+        return 2 * len(self.stored_layers) * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+
+
+def kv_sharing_sources(text_config, num_layers: int) -> tuple[int, ...]:
+    """Per layer, the layer whose K/V it reuses under KV sharing (``num_kv_shared_layers``, Gemma 3n): the last
+    ``num_kv_shared_layers`` layers each reuse the last earlier non-shared layer of their ``layer_types`` entry.
+    Empty when the config shares nothing.
+
+    Raises:
+        ValueError: a shared layer's type has no earlier layer to reuse.
+    """
+    shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
+    if not isinstance(shared, int) or shared <= 0:
+        return ()
+    types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers)
+    first = num_layers - shared
+    sources = list(range(num_layers))
+    for i in range(first, num_layers):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise ValueError(f"layer {i} reuses the K/V of a {types[i]!r} layer, but no layer before {first} is one")
+        sources[i] = earlier[-1]
+    return tuple(sources)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +149,8 @@ def page_bytes_by_device(
     """
     per_layer = 2 * page_size * spec.num_kv_heads * spec.head_dim * _itemsize(dtype)
     out: dict[torch.device, int] = {}
-    for device in layer_devices:
-        out[device] = out.get(device, 0) + per_layer
+    for i in spec.stored_layers:
+        out[layer_devices[i]] = out.get(layer_devices[i], 0) + per_layer
     return out
 
 

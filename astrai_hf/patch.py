@@ -15,7 +15,7 @@ import torch
 
 from . import attention, packing
 from .cache import PagedCache, cache_kwarg, left_padding
-from .config import as_count, as_flag
+from .config import KVSpec, as_count, as_flag
 from .distributed import agree
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules, unsupported_model
@@ -96,7 +96,8 @@ def patch(
         NotImplementedError: the architecture's attention bypasses ``AttentionInterface`` (e.g. Falcon) or has
             no attention modules with a ``layer_idx``; or it has a feature paged attention does not compute
             (encoder-decoder, cross-attention, hybrid layers, a cache class of its own, multi-head latent attention,
-            attention sinks, KV sharing; see :func:`unsupported_feature`); or chunked attention (Llama 4) with a
+            attention sinks, KV sharing its config does not describe; see :func:`unsupported_feature`); or chunked
+            attention (Llama 4) with a
             pool whose ``max_seq_len`` exceeds the chunk.
         ValueError / TypeError: ``pool`` is not a PagePool or does not fit the model; a flag is not a bool.
     """
@@ -289,16 +290,24 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) -> str | None:
     """Why paged attention cannot stand in for ``model``'s attention, or None when it can: the pool's own limits
-    (:func:`~astrai_hf.pool.unsupported_model`), attention sinks, and layers that reuse another layer's K/V (KV
-    sharing)."""
+    (:func:`~astrai_hf.pool.unsupported_model`), attention sinks, and layers that reuse another layer's K/V other
+    than as ``num_kv_shared_layers`` describes (see :func:`~astrai_hf.config.kv_sharing_sources`)."""
     reason = unsupported_model(model)
     if reason is not None:
         return reason
+    try:
+        sources = KVSpec.from_config(model.config).kv_source
+    except ValueError as e:
+        return str(e)
     for m in modules:
         if isinstance(getattr(m, "sinks", None), torch.Tensor):
             return f"{type(m).__name__} uses attention sinks (a learned extra logit per head)"
-        if getattr(m, "is_kv_shared_layer", False):
-            return f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing)"
+        shared = bool(getattr(m, "is_kv_shared_layer", False))
+        expected = getattr(m, "kv_shared_layer_index", None)  # transformers < 5.24 names the source layer
+        source = sources[m.layer_idx] if sources else m.layer_idx
+        if shared != (source != m.layer_idx) or (expected is not None and expected != source):
+            return (f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing) in a way its config's "
+                    "num_kv_shared_layers does not describe")
     return None
 
 

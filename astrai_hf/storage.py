@@ -31,7 +31,15 @@ class KVStorage:
         shape = (config.num_slots, spec.num_kv_heads, spec.head_dim)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        for device in config.layer_devices:
+        for i, device in enumerate(config.layer_devices):
+            source = spec.kv_source[i] if spec.kv_source else i
+            if source != i:  # KV sharing: this layer attends over its source layer's K/V, the same tensors
+                if config.layer_devices[source] != device:
+                    raise ValueError(f"layer {i} reuses the K/V of layer {source}, which is on "
+                                     f"{config.layer_devices[source]}, not {device}; keep them on one device")
+                self.k.append(self.k[source])
+                self.v.append(self.v[source])
+                continue
             k = torch.empty(shape, dtype=config.dtype, device=device)
             v = torch.empty(shape, dtype=config.dtype, device=device)
             k[: config.page_size].zero_()
@@ -55,7 +63,8 @@ class KVStorage:
         """Copy the first ``num_tokens`` slots of ``src_page`` into ``dst_page`` in every layer (copy-on-write)."""
         ps = self.config.page_size
         src, dst = src_page * ps, dst_page * ps
-        for k, v in zip(self.k, self.v):
+        for i in self.config.spec.stored_layers:
+            k, v = self.k[i], self.v[i]
             k[dst : dst + num_tokens].copy_(k[src : src + num_tokens])
             v[dst : dst + num_tokens].copy_(v[src : src + num_tokens])
 

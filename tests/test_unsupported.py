@@ -88,7 +88,6 @@ UNSUPPORTED = {
     "bart": (_bart, "encoder-decoder"),
     "t5": (_t5, "encoder-decoder"),
     "bart_decoder": (_bart_decoder, "cross-attention"),
-    "gemma3n_kv_sharing": (_gemma3n, "KV sharing"),
     "llama4_chunked": (_llama4, "chunked attention"),
 }
 
@@ -103,7 +102,7 @@ def _quiet():
 def _build(name, **kwargs):
     torch.manual_seed(0)
     with _quiet():
-        model = UNSUPPORTED[name][0](**kwargs).eval()
+        model = (UNSUPPORTED[name][0] if name in UNSUPPORTED else _gemma3n)(**kwargs).eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(3.0)
     return model
@@ -127,7 +126,7 @@ def test_pool_refuses_a_cache_it_cannot_hold(name):
         PagePool.from_model(_build(name), max_tokens=512)
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "jamba", "bart", "gemma3n_kv_sharing", "llama4_chunked"])
+@pytest.mark.parametrize("name", ["gpt_oss", "jamba", "bart", "llama4_chunked"])
 def test_zero_code_hook_keeps_stock_generate(name):
     from astrai_hf.patches import autopatch
 
@@ -162,10 +161,27 @@ def test_chunked_attention_is_served_by_a_pool_no_longer_than_a_chunk():
     assert torch.equal(model.generate(_IDS, **{**_KW, "max_new_tokens": 9}), stock)
 
 
-def test_kv_sharing_off_is_still_patched():
-    model = _build("gemma3n_kv_sharing", num_kv_shared_layers=0)
+@pytest.mark.parametrize("shared", [0, 2])
+def test_kv_sharing_layers_read_their_source_layers_pages(shared):
+    # Gemma 3n E2B/E4B: the last layers attend over the K/V of the last earlier layer of their type; the pool keeps
+    # one copy (those layers' storage is the source's)
+    from tiny_models import left_padded_batch
+
+    model = _build("gemma3n", num_kv_shared_layers=shared)
+    ids, mask = left_padded_batch([9, 4, 13], seed=3)
     with _quiet():
-        stock = model.generate(_IDS, **_KW)
-    astrai_hf.patch(model, max_tokens=512)
-    assert torch.equal(model.generate(_IDS, **_KW), stock)
-    assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+        stock = {n: model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                   eos_token_id=None, num_beams=n) for n in (1, 2)}
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    if shared:
+        assert pool.config.spec.kv_source == (0, 1, 0, 1)
+        assert pool.storage.k[2] is pool.storage.k[0] and pool.storage.v[3] is pool.storage.v[1]
+    assert pool.stats()["kv_bytes_total"] == PagePool.from_model(
+        _build("gemma3n", num_kv_shared_layers=0), max_tokens=512, page_size=4).stats()["kv_bytes_total"] * (4 - shared) // 4
+    astrai_hf.patch(model, pool=pool)
+    for _ in range(2):  # the second round is served from the prefix cache
+        for n, ref in stock.items():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None, num_beams=n)
+            assert torch.equal(out, ref), n
+    assert pool.stats()["prefix_hit_tokens"] > 0 and pool.stats()["num_used_pages"] == 0
