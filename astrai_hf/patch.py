@@ -196,7 +196,7 @@ def _underlying(model: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-_INSTALLED = ("forward", "generate", "__deepcopy__")  # instance attributes patch() sets on the model
+_INSTALLED = ("forward", "generate", "__deepcopy__", "__getstate__")  # instance attributes patch() sets on the model
 
 
 def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
@@ -207,10 +207,23 @@ def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
     state.family_undo = patches.apply(model, modules)
     for m in modules:
         setattr(m, _STATE_ATTR, state)
+        m.__getstate__ = functools.partial(_unpatched_state, m, None)
     model.forward = _wrap_forward(model, model.forward, state)
     model.generate = _wrap_generate(model, model.generate, state)
     model.__deepcopy__ = functools.partial(_deepcopy_patched, model, state)
+    model.__getstate__ = functools.partial(_unpatched_state, model, state)
     setattr(model, _STATE_ATTR, state)
+
+
+def _unpatched_state(obj: torch.nn.Module, state: PatchState | None) -> dict:
+    """What ``pickle`` / ``torch.save`` store for a patched model or attention module: its state as it is
+    unpatched (the wrappers close over the live pool, which is no part of the model). A model loaded from it is an
+    unpatched model; patch it again."""
+    out = {k: v for k, v in obj.__dict__.items() if k not in _INSTALLED and k != _STATE_ATTR}
+    if state is not None:
+        out.update(state.saved_attrs)
+    out.pop("_compiled_call_impl", None)  # as torch.nn.Module.__getstate__ does
+    return out
 
 
 def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
@@ -223,6 +236,8 @@ def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
             model.__dict__.pop(name, None)
     for m in model.modules():
         m.__dict__.pop(_STATE_ATTR, None)
+        if isinstance(m.__dict__.get("__getstate__"), functools.partial):
+            m.__dict__.pop("__getstate__")
     for undo in reversed(state.family_undo):
         undo()
     state.family_undo = []

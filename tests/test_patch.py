@@ -168,3 +168,28 @@ def test_a_pool_the_caller_gave_is_not_replaced_when_the_model_moves():
         assert astrai_hf.get_pool(model) is pool and pool.stats()["num_used_pages"] == 0
     finally:
         astrai_hf.unpatch(model)
+
+
+def test_torch_save_and_pickle_of_a_patched_model_store_it_unpatched():
+    import io
+    import pickle
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    attrs = set(model.__dict__)
+    astrai_hf.patch(model, max_tokens=256)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = [torch.load(buf, weights_only=False), pickle.loads(pickle.dumps(model))]
+    for twin in loaded:
+        assert not astrai_hf.is_patched(twin) and set(twin.__dict__) == attrs
+        assert all("_astrai_patch_state" not in m.__dict__ for m in twin.modules())
+        assert torch.equal(twin.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+        astrai_hf.patch(twin, max_tokens=256)
+        assert torch.equal(twin.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+    assert astrai_hf.is_patched(model)  # the saved model itself stays patched
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+    astrai_hf.unpatch(model)
+    assert set(model.__dict__) == attrs
