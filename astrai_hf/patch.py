@@ -196,7 +196,7 @@ def _underlying(model: torch.nn.Module) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-_INSTALLED = ("forward", "generate", "__deepcopy__", "__getstate__")  # instance attributes patch() sets on the model
+_INSTALLED = ("forward", "generate", "__deepcopy__", "__reduce_ex__")  # instance attributes patch() sets on the model
 
 
 def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
@@ -207,23 +207,30 @@ def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
     state.family_undo = patches.apply(model, modules)
     for m in modules:
         setattr(m, _STATE_ATTR, state)
-        m.__getstate__ = functools.partial(_unpatched_state, m, None)
+        m.__reduce_ex__ = functools.partial(_reduce_unpatched, m, None)
     model.forward = _wrap_forward(model, model.forward, state)
     model.generate = _wrap_generate(model, model.generate, state)
     model.__deepcopy__ = functools.partial(_deepcopy_patched, model, state)
-    model.__getstate__ = functools.partial(_unpatched_state, model, state)
+    model.__reduce_ex__ = functools.partial(_reduce_unpatched, model, state)
     setattr(model, _STATE_ATTR, state)
 
 
-def _unpatched_state(obj: torch.nn.Module, state: PatchState | None) -> dict:
-    """What ``pickle`` / ``torch.save`` store for a patched model or attention module: its state as it is
-    unpatched (the wrappers close over the live pool, which is no part of the model). A model loaded from it is an
-    unpatched model; patch it again."""
-    out = {k: v for k, v in obj.__dict__.items() if k not in _INSTALLED and k != _STATE_ATTR}
-    if state is not None:
-        out.update(state.saved_attrs)
-    out.pop("_compiled_call_impl", None)  # as torch.nn.Module.__getstate__ does
-    return out
+def _reduce_unpatched(obj: torch.nn.Module, state: PatchState | None, protocol: int):
+    """``__reduce_ex__`` of a patched model or attention module, which ``pickle`` / ``torch.save`` and ``copy``
+    look up on the instance: for pickling (and a deep copy of a lone module) the object as it is unpatched (the wrappers close
+    over the live pool, which is no part of the model). A model loaded from it is an unpatched model; patch it
+    again. ``copy.copy`` gets the instance as it is: a shallow copy shares the patched modules, so it is patched
+    with them."""
+    reduced = object.__reduce_ex__(obj, protocol)
+    caller = sys._getframe(1)
+    if caller.f_globals.get("__name__") == "copy" and caller.f_code.co_name == "copy":
+        return reduced
+    if len(reduced) > 2 and isinstance(reduced[2], dict):
+        kept = {k: v for k, v in reduced[2].items() if k not in _INSTALLED and k != _STATE_ATTR}
+        if state is not None:
+            kept.update(state.saved_attrs)
+        reduced = (*reduced[:2], kept, *reduced[3:])
+    return reduced
 
 
 def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
@@ -236,8 +243,8 @@ def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
             model.__dict__.pop(name, None)
     for m in model.modules():
         m.__dict__.pop(_STATE_ATTR, None)
-        if isinstance(m.__dict__.get("__getstate__"), functools.partial):
-            m.__dict__.pop("__getstate__")
+        if isinstance(m.__dict__.get("__reduce_ex__"), functools.partial):
+            m.__dict__.pop("__reduce_ex__")
     for undo in reversed(state.family_undo):
         undo()
     state.family_undo = []
@@ -255,8 +262,15 @@ def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> 
             twin = copy.deepcopy(model, memo)
         finally:
             _install(model, state, attention_modules(model))
-    return patch(twin, state.pool, pack_prefill=state.pack_prefill, prefill_chunk_tokens=state.prefill_chunk_tokens,
-                 cuda_graphs=state.cuda_graphs)
+    settings = dict(pack_prefill=state.pack_prefill, prefill_chunk_tokens=state.prefill_chunk_tokens,
+                    cuda_graphs=state.cuda_graphs)
+    own = state.own_pool_kwargs
+    if own is not None and not state.pool.fits_placement(attention_modules(twin)):
+        patch(twin, **settings, **own)  # the model moved since its pool was built: the copy gets a pool that fits
+    else:
+        patch(twin, state.pool, **settings)
+        getattr(twin, _STATE_ATTR).own_pool_kwargs = own  # a copy moved elsewhere later gets its own pool
+    return twin
 
 
 @contextlib.contextmanager
@@ -303,6 +317,11 @@ def is_patched(model: torch.nn.Module) -> bool:
     return getattr(_underlying(model), _STATE_ATTR, None) is not None
 
 
+# KV sharing where every shared layer attends with as many queries as its source (Gemma 4 cuts the shared layers'
+# hidden states down to the kept logits on transformers 5.24)
+_KV_SHARING_FAMILIES = {"gemma3n", "gemma3n_text"}
+
+
 def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) -> str | None:
     """Why paged attention cannot stand in for ``model``'s attention, or None when it can: the pool's own limits
     (:func:`~astrai_hf.pool.unsupported_model`), attention sinks, and layers that reuse another layer's K/V other
@@ -311,15 +330,19 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
     if reason is not None:
         return reason
     try:
-        sources = KVSpec.from_config(model.config).kv_source
+        spec = KVSpec.from_config(model.config)
     except ValueError as e:
         return str(e)
+    sources, model_type = spec.kv_source, spec.model_type
     for m in modules:
         if isinstance(getattr(m, "sinks", None), torch.Tensor):
             return f"{type(m).__name__} uses attention sinks (a learned extra logit per head)"
         shared = bool(getattr(m, "is_kv_shared_layer", False))
         expected = getattr(m, "kv_shared_layer_index", None)  # transformers < 5.24 names the source layer
         source = sources[m.layer_idx] if sources else m.layer_idx
+        if shared and model_type not in _KV_SHARING_FAMILIES:
+            return (f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing), which astrai-hf serves "
+                    f"for {', '.join(sorted(_KV_SHARING_FAMILIES))} only")
         if shared != (source != m.layer_idx) or (expected is not None and expected != source):
             return (f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing) in a way its config's "
                     "num_kv_shared_layers does not describe")
@@ -594,7 +617,8 @@ def _wrap_generate(model, generate, state: PatchState):
         return _run_paged(args, kwargs, config)
 
     def _run_paged(args, kwargs, config):
-        if state.own_pool_kwargs is not None and not state.pool.fits_placement(state.modules):
+        if (state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs)
+                and not state.pool.fits_placement(state.modules)):
             _rebuild_pool(model, state)
         pool, cache, failed = state.pool, None, None
         try:

@@ -181,7 +181,7 @@ class PagePool:
             TypeError: the model computes K/V in another dtype.
         """
         spec, mine = model_kv_spec(model), self.config.spec
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "kv_source"):
             if getattr(spec, name) != getattr(mine, name):
                 raise ValueError(
                     f"this PagePool was built for a model with {name}={getattr(mine, name)}, "

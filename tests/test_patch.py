@@ -193,3 +193,37 @@ def test_torch_save_and_pickle_of_a_patched_model_store_it_unpatched():
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
     astrai_hf.unpatch(model)
     assert set(model.__dict__) == attrs
+
+
+def test_copies_of_a_patched_model():
+    import copy
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    ref = model.generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=512)
+    shallow = copy.copy(model)  # shares the patched modules, so it is patched with them
+    assert astrai_hf.is_patched(shallow)
+    astrai_hf.patch(shallow, max_tokens=512)
+    assert torch.equal(shallow.generate(ids, **kw), ref) and torch.equal(model.generate(ids, **kw), ref)
+    twin = copy.deepcopy(model)  # its own weights on the same pool; moved, it gets a pool of its own
+    assert astrai_hf.get_pool(twin) is astrai_hf.get_pool(model)
+    twin.to(torch.bfloat16)
+    bf16 = astrai_hf.unpatch(copy.deepcopy(twin)).generate(ids, **kw)
+    assert torch.equal(twin.generate(ids, **kw), bf16) and astrai_hf.get_pool(twin).dtype == torch.bfloat16
+    assert torch.equal(model.generate(ids, **kw), ref)
+
+
+def test_a_pool_pinned_to_a_dtype_is_not_rebuilt_when_the_model_moves():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    astrai_hf.patch(model, max_tokens=512, dtype=torch.float32)
+    pool = astrai_hf.get_pool(model)
+    model.to(torch.bfloat16)
+    try:
+        with pytest.raises(TypeError, match="pool stores torch.float32"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert astrai_hf.get_pool(model) is pool
+    finally:
+        astrai_hf.unpatch(model)

@@ -79,6 +79,12 @@ def _llama4(chunk=4):
         no_rope_layers=[1, 1], attention_chunk_size=chunk))
 
 
+def _gemma4_kv_sharing():
+    return T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, head_dim=16, global_head_dim=16, sliding_window=4,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2))
+
+
 UNSUPPORTED = {
     "gpt_oss": (_gpt_oss, "attention sinks"),
     "deepseek_v3": (_deepseek_v3, "multi-head latent attention"),
@@ -89,6 +95,7 @@ UNSUPPORTED = {
     "t5": (_t5, "encoder-decoder"),
     "bart_decoder": (_bart_decoder, "cross-attention"),
     "llama4_chunked": (_llama4, "chunked attention"),
+    "gemma4_kv_sharing": (_gemma4_kv_sharing, "KV sharing"),
 }
 
 
@@ -185,3 +192,10 @@ def test_kv_sharing_layers_read_their_source_layers_pages(shared):
                                  eos_token_id=None, num_beams=n)
             assert torch.equal(out, ref), n
     assert pool.stats()["prefix_hit_tokens"] > 0 and pool.stats()["num_used_pages"] == 0
+
+
+def test_a_pool_of_another_kv_sharing_layout_is_refused():
+    for pool_shared, model_shared in [(0, 2), (2, 0)]:
+        pool = PagePool.from_model(_build("gemma3n", num_kv_shared_layers=pool_shared), max_tokens=512)
+        with pytest.raises(ValueError, match="kv_source"):
+            astrai_hf.patch(_build("gemma3n", num_kv_shared_layers=model_shared), pool=pool)
