@@ -430,7 +430,7 @@ def _wrap_forward(model, forward, state: PatchState):
         cache = _find_cache(kwargs)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
-        if _custom_mask(kwargs):
+        if _custom_mask(kwargs, check_token_types=not cache.made_by_generate):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
             return forward(*args, **kwargs)
@@ -497,13 +497,14 @@ def embeds_token_types(model: torch.nn.Module) -> bool:
     return False
 
 
-def _custom_mask(kwargs: dict) -> bool:
+def _custom_mask(kwargs: dict, check_token_types: bool = True) -> bool:
     """Whether a forward's attention is masked beyond causal-with-left-padding, which paged attention computes:
-    an attention mask of more than 2 dimensions, or nonzero token types."""
+    an attention mask of more than 2 dimensions, or nonzero token types. Reading the token types is a host sync,
+    so a patched ``generate()``, which sent calls with nonzero ones to stock already, skips it every step."""
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() > 2:
         return True
-    return any(isinstance(kwargs.get(name), torch.Tensor) and bool(kwargs[name].any()) for name in _TOKEN_TYPES)
+    return check_token_types and any(isinstance(kwargs.get(name), torch.Tensor) and bool(kwargs[name].any()) for name in _TOKEN_TYPES)
 
 
 def _records_grad(model, args: tuple, kwargs: dict) -> bool:
