@@ -14,6 +14,7 @@ from .errors import CacheFullError
 from .interrupts import interrupts_deferred
 from .metadata import StepMetadata
 from .pool import PagePool
+from .storage import gather_kv
 
 logger = logging.getLogger(__name__)
 
@@ -551,8 +552,8 @@ class PagedCache(Cache):
         if step.paged:
             return key_states, value_states
         width = step.logical_len
-        keys = storage.k[layer_idx].index_select(0, view.rect_slots).view(B, width, H, D).transpose(1, 2)
-        values = storage.v[layer_idx].index_select(0, view.rect_slots).view(B, width, H, D).transpose(1, 2)
+        keys = gather_kv(storage.k[layer_idx], view.rect_slots, B, width)
+        values = gather_kv(storage.v[layer_idx], view.rect_slots, B, width)
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             # The pool is outside autograd: this step's columns are handed back as the live tensors, so gradients
             # reach this step's K/V as with a DynamicCache (K/V stored by earlier forwards are constants).

@@ -23,6 +23,7 @@ import torch
 
 from .attention.reference import _attend
 from .metadata import StepMetadata
+from .storage import gather_kv
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +116,8 @@ def graph_decode_attention(query, k_cache, v_cache, step: GraphStep, *, scaling,
             )
             return out.to(query.dtype)[:, None]
     W = step.table.shape[1]
-    H_kv = k_cache.shape[1]
     slots = step.table.index_select(0, step.req_rows).long().reshape(-1)  # [B * W]
-    keys = k_cache.index_select(0, slots).view(B, W, H_kv, D).transpose(1, 2)
-    values = v_cache.index_select(0, slots).view(B, W, H_kv, D).transpose(1, 2)
+    keys, values = gather_kv(k_cache, slots, B, W), gather_kv(v_cache, slots, B, W)
     t = torch.arange(W, device=query.device)[None, :]
     seq = step.seq_lens_t.long()[:, None]
     allowed = t < seq

@@ -7,6 +7,13 @@
     k[layer]: [num_slots, num_kv_heads, head_dim]  page 0        page 1        page 2
               ------------------------------------ |s0 .. s15|  |s16 .. s31|  |s32 .. s47| ...
     v[layer]: same shape
+
+Indexing is by slot, but memory is head-major: each tensor is a transposed view of a contiguous
+``[num_kv_heads, num_slots, head_dim]`` block (strides ``(head_dim, num_slots * head_dim, 1)``). One head's keys
+of a run of consecutive slots are then one contiguous block, so a decode or prefill step whose row occupies
+consecutive slots streams them as a plain view (measured on the embedded model, a batch of 8 rows of 64-1000
+tokens on a 2-core CPU: 14% less time per decode step than slot-major memory). Code that needs raw offsets (the
+Triton kernels) takes ``stride(0)`` and ``stride(1)``; ``head_dim`` is always contiguous.
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ class KVStorage:
                 self.k.append(self.k[source])
                 self.v.append(self.v[source])
                 continue
-            k = torch.empty(shape, dtype=config.dtype, device=device)
-            v = torch.empty(shape, dtype=config.dtype, device=device)
+            k = _empty_head_major(shape, config.dtype, device)
+            v = _empty_head_major(shape, config.dtype, device)
             k[: config.page_size].zero_()
             v[: config.page_size].zero_()
             self.k.append(k)
@@ -71,3 +78,26 @@ class KVStorage:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """One layer's K or V at ``slots``, as attention reads it.
+
+    Args:
+        cache: [num_slots, H_kv, D], one layer of the pool (head-major memory, or any other layout).
+        slots: [rows * width] int64 on the cache's device, row after row.
+        rows, width: how ``slots`` splits into rows.
+
+    Returns:
+        [rows, H_kv, width, D], a view of one new [H_kv, rows * width, D] tensor: each head's tokens are gathered
+        as contiguous runs (indexing dim 0 of the head-major memory would copy every token's heads separately,
+        about 3x slower on a CPU).
+    """
+    H_kv, D = cache.shape[1], cache.shape[2]
+    return cache.transpose(0, 1).index_select(1, slots).view(H_kv, rows, width, D).transpose(0, 1)
+
+
+def _empty_head_major(shape: tuple[int, int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised ``[num_slots, H_kv, D]`` tensor whose memory is laid out ``[H_kv, num_slots, D]``."""
+    num_slots, num_kv_heads, head_dim = shape
+    return torch.empty(num_kv_heads, num_slots, head_dim, dtype=dtype, device=device).transpose(0, 1)

@@ -34,11 +34,12 @@ def _naive(query, keys, values, q_index, scaling, window, softcap):
     return out
 
 
-def _build(prev_lens, new_lens, q, H_kv, D, page_size, dtype, seed, contiguous=None):
+def _build(prev_lens, new_lens, q, H_kv, D, page_size, dtype, seed, contiguous=None, memory="head-major"):
     """Random K/V scattered over shuffled pages, and the matching metadata.
 
     ``contiguous[b]``: row b gets consecutive pages instead (after a one-page gap), and the metadata's
-    ``row_starts`` names its first slot, so attention may read it in place.
+    ``row_starts`` names its first slot, so attention may read it in place. ``memory``: "head-major" as the pool
+    lays it out (a transposed view of [H_kv, num_slots, D]), or "slot-major" (contiguous [num_slots, H_kv, D]).
     """
     g = torch.Generator().manual_seed(seed)
     B = len(prev_lens)
@@ -52,8 +53,12 @@ def _build(prev_lens, new_lens, q, H_kv, D, page_size, dtype, seed, contiguous=N
             next_page += 1 + pages_per_row[b]
     num_pages = next_page + sum(n for b, n in enumerate(pages_per_row) if b not in runs)
     order = (torch.randperm(num_pages - next_page, generator=g) + next_page).tolist()
-    k_cache = torch.zeros(num_pages * page_size, H_kv, D, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    if memory == "head-major":
+        k_cache = torch.zeros(H_kv, num_pages * page_size, D, dtype=dtype).transpose(0, 1)
+        v_cache = torch.zeros(H_kv, num_pages * page_size, D, dtype=dtype).transpose(0, 1)
+    else:
+        k_cache = torch.zeros(num_pages * page_size, H_kv, D, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
     max_len = max(max(seq), 1)
     table = torch.zeros(B, max_len + 3, dtype=torch.int32)
     keys, values = [], []

@@ -29,11 +29,13 @@ DECODE_CASES = {
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_matches_reference(case, variant, num_splits):
+@pytest.mark.parametrize("memory", ["head-major", "slot-major"])
+def test_decode_matches_reference(case, variant, num_splits, memory):
     seq, groups = DECODE_CASES[case]
     H_kv, D = 2, 8
     H = H_kv * groups
-    k_cache, v_cache, _, _, meta, _ = _build([s - 1 for s in seq], [1] * len(seq), 1, H_kv, D, PAGE, torch.float32, 7)
+    k_cache, v_cache, _, _, meta, _ = _build([s - 1 for s in seq], [1] * len(seq), 1, H_kv, D, PAGE, torch.float32, 7,
+                                             memory=memory)
     query = torch.randn(len(seq), H, 1, D, generator=torch.Generator().manual_seed(1))
     kw = dict(scaling=0.35, sliding_window=5 if variant == "window" else None,
               softcap=3.0 if variant == "softcap" else None)
@@ -54,12 +56,13 @@ EXTEND_CASES = {
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 @pytest.mark.parametrize("groups", [1, 3, 7])
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
-def test_extend_matches_reference(case, groups, variant):
+@pytest.mark.parametrize("memory", ["head-major", "slot-major"])
+def test_extend_matches_reference(case, groups, variant, memory):
     prev, new = EXTEND_CASES[case]
-    H_kv, D = 1, 8
+    H_kv, D = 2, 8
     H = H_kv * groups
     q = max(new)
-    k_cache, v_cache, _, _, meta, _ = _build(prev, new, q, H_kv, D, PAGE, torch.float32, 3)
+    k_cache, v_cache, _, _, meta, _ = _build(prev, new, q, H_kv, D, PAGE, torch.float32, 3, memory=memory)
     packed = meta.pack()
     N = sum(new)
     query = torch.randn(1, H, N, D, generator=torch.Generator().manual_seed(2))
@@ -72,9 +75,12 @@ def test_extend_matches_reference(case, groups, variant):
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_store_kv_writes_slots():
-    k_cache = torch.zeros(12 * PAGE, 2, 8)
-    v_cache = torch.zeros_like(k_cache)
+@pytest.mark.parametrize("memory", ["head-major", "slot-major"])
+def test_store_kv_writes_slots(memory):
+    if memory == "head-major":
+        k_cache, v_cache = (torch.zeros(2, 12 * PAGE, 8).transpose(0, 1) for _ in range(2))
+    else:
+        k_cache, v_cache = torch.zeros(12 * PAGE, 2, 8), torch.zeros(12 * PAGE, 2, 8)
     slots = torch.tensor([5, 17, 3, 40], dtype=torch.long)
     k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     tk.store_kv(k, v, k_cache, v_cache, slots)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..metadata import StepMetadata
+from ..storage import gather_kv
 
 
 def paged_attention(
@@ -59,11 +60,10 @@ def paged_attention(
                 out[index] = paged_attention(query.index_select(0, index), k_cache, v_cache, sub, **kw)
         return out
     B, H, q, D = query.shape
-    H_kv = k_cache.shape[1]
     view = meta.on(query.device)
     T = meta.max_len
-    keys = k_cache.index_select(0, view.kv_slots).view(B, T, H_kv, D).transpose(1, 2)  # [B, H_kv, T, D]
-    values = v_cache.index_select(0, view.kv_slots).view(B, T, H_kv, D).transpose(1, 2)
+    keys = gather_kv(k_cache, view.kv_slots, B, T)  # [B, H_kv, T, D]
+    values = gather_kv(v_cache, view.kv_slots, B, T)
     mask, is_causal = view.mask(sliding_window, need_explicit=softcap is not None)
     return _attend(query, keys, values, mask, is_causal, scaling, softcap).transpose(1, 2).contiguous()
 
@@ -80,10 +80,16 @@ def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_wind
         scale = D**-0.5 if scaling is None else scaling
         grouped = query.reshape(B, H_kv, H // H_kv, D)
         flat = out.view(B, H_kv, H // H_kv, D)
-        for r, lo, hi in spans:
-            k = k_cache[lo:hi].transpose(0, 1)[None]  # [1, H_kv, T, D], a view of the pool
-            v = v_cache[lo:hi].transpose(0, 1)[None]
-            flat[r] = F.scaled_dot_product_attention(grouped[r : r + 1], k, v, scale=scale)[0]
+        k_heads, v_heads = k_cache.transpose(0, 1)[None], v_cache.transpose(0, 1)[None]  # [1, H_kv, num_slots, D]
+        rows = grouped[:, None].unbind(0)  # B views [1, H_kv, G, D]
+        # [1, H_kv, T, D] views of the pool (each head's run of slots is contiguous in its memory)
+        parts = [F.scaled_dot_product_attention(rows[r], k_heads[:, :, lo:hi], v_heads[:, :, lo:hi], scale=scale)
+                 for r, lo, hi in spans]
+        if len(spans) == B:  # every row, in order: one copy into the output
+            torch.cat(parts, out=flat)
+        else:
+            for (r, _, _), part in zip(spans, parts):
+                flat[r] = part[0]
     else:
         for r, lo, hi in spans:
             k, v = k_cache[lo:hi].transpose(0, 1)[None], v_cache[lo:hi].transpose(0, 1)[None]
@@ -131,7 +137,6 @@ def packed_paged_attention(
         [1, N, H, D], contiguous, in the query's dtype.
     """
     _, H, N, D = query.shape
-    H_kv = k_cache.shape[1]
     view = meta.on(query.device)
     slots = view.kv_slots.view(len(meta.seq_lens), meta.max_len)
     masks = view.row_masks(sliding_window, need_explicit=softcap is not None)
@@ -143,8 +148,7 @@ def packed_paged_attention(
             keys, values = _row_view(k_cache, v_cache, starts[r], T, None)
         else:
             row = slots[r, :T]
-            keys = k_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
-            values = v_cache.index_select(0, row).view(1, T, H_kv, D).transpose(1, 2)
+            keys, values = gather_kv(k_cache, row, 1, T), gather_kv(v_cache, row, 1, T)
         mask, is_causal = masks[r]
         part = _attend(query[:, :, start : start + n], keys, values, mask, is_causal, scaling, softcap)
         out[:, start : start + n] = part.transpose(1, 2)

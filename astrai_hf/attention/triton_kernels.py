@@ -3,7 +3,9 @@
 Each kernel has a plain torch twin in :mod:`astrai_hf.attention.reference` and is tested against it (on CPU under
 ``TRITON_INTERPRET=1``, on GPU in ``tests/gpu``). Layout, as everywhere in astrai-hf::
 
-    k_cache, v_cache   [num_slots, H_kv, D]          one layer of the pool; slot = page * page_size + offset
+    k_cache, v_cache   [num_slots, H_kv, D]          one layer of the pool; slot = page * page_size + offset;
+                                                     any strides with D contiguous (the pool's memory is
+                                                     head-major), passed to the kernels as stride_slot/stride_head
     req_to_token       [max_reqs, max_seq_len] int32  slot of token t of request row r
 
 Decode follows the split-KV ("flash-decoding") scheme of FlashDecoding (Dao et al., 2023) and SGLang's
@@ -23,26 +25,42 @@ import triton.language as tl
 DEFAULT_NUM_SPLITS = 8
 
 
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """``(stride_slot, stride_head)`` in elements of a layer's K and V (which share one layout).
+
+    Raises:
+        ValueError: K and V strides differ, or ``head_dim`` is not contiguous.
+    """
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(2) != 1:
+        raise ValueError(f"k_cache/v_cache need one layout with head_dim contiguous; strides are "
+                         f"{tuple(k_cache.stride())} and {tuple(v_cache.stride())}")
+    return k_cache.stride(0), k_cache.stride(1)
+
+
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_elems, BLOCK: tl.constexpr):
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot, stride_head,
+                     H_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
+    h = tl.program_id(1)
     slot = tl.load(slot_ptr + i).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    for start in range(0, row_elems, BLOCK):
-        m = start + offs < row_elems
-        tl.store(k_cache_ptr + slot * row_elems + start + offs, tl.load(k_ptr + i * row_elems + start + offs, mask=m), mask=m)
-        tl.store(v_cache_ptr + slot * row_elems + start + offs, tl.load(v_ptr + i * row_elems + start + offs, mask=m), mask=m)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    src = (i * H_KV + h) * D + d
+    dst = slot * stride_slot + h.to(tl.int64) * stride_head + d  # int64: a head's plane can pass 2**31 elements
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=m), mask=m)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=m), mask=m)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """``k_cache[slot_mapping[i]] = key[i]`` (and V): key/value [N, H_kv, D] contiguous, slot_mapping [N] int."""
-    n = key.shape[0]
+    """``k_cache[slot_mapping[i]] = key[i]`` (and V): key/value [N, H_kv, D], slot_mapping [N] int; the caches
+    [num_slots, H_kv, D] in any layout with D contiguous."""
+    n, H_kv, D = key.shape
     if n == 0:
         return
-    row = key.shape[1] * key.shape[2]
-    _store_kv_kernel[(n,)](key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping, row,
-                           BLOCK=min(triton.next_power_of_2(row), 1024))
+    stride_slot, stride_head = _cache_strides(k_cache, v_cache)
+    _store_kv_kernel[(n, H_kv)](key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping,
+                                stride_slot, stride_head, H_KV=H_kv, D=D, BLOCK_D=triton.next_power_of_2(D))
 
 
 @triton.jit
@@ -50,7 +68,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
     mid_o_ptr, mid_lse_ptr,
     scaling, softcap, window,
-    stride_table, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
+    stride_table, stride_slot, stride_head, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -74,6 +92,7 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
+    kv_base = kv_head.to(tl.int64) * stride_head  # int64: a head's plane can pass 2**31 elements
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -82,7 +101,7 @@ def _decode_split_kernel(
         t = start + n
         t_mask = t < hi
         slots = tl.load(req_to_token_ptr + row * stride_table + t, mask=t_mask, other=0).to(tl.int64)
-        kv_off = (slots * H_KV + kv_head)[:, None] * D + d[None, :]
+        kv_off = (slots * stride_slot + kv_base)[:, None] + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
@@ -139,7 +158,7 @@ def decode_attention(
 
     Args:
         query: [B, H, D], contiguous.
-        k_cache, v_cache: [num_slots, H_kv, D], contiguous; H a multiple of H_kv.
+        k_cache, v_cache: [num_slots, H_kv, D], one layout with D contiguous; H a multiple of H_kv.
         req_to_token: [max_reqs, max_seq_len] int32.
         req_rows: [B] int, the table row of each batch row.
         seq_lens: [B] int32 on the device, tokens per row including this step's (at least 1).
@@ -165,7 +184,8 @@ def decode_attention(
     _decode_split_kernel[(B, H_kv, num_splits)](
         query, k_cache, v_cache, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
         float(scaling), float(softcap or 1.0), int(sliding_window or 0),
-        req_to_token.stride(0), H=H, H_KV=H_kv, D=D, GROUP=group, NUM_SPLITS=num_splits,
+        req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, H_KV=H_kv, D=D, GROUP=group,
+        NUM_SPLITS=num_splits,
         BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
     )
@@ -179,7 +199,8 @@ def decode_attention(
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, qo_indptr_ptr, out_ptr,
     scaling, softcap, window,
-    stride_table, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+    stride_table, stride_slot, stride_head, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
@@ -192,6 +213,7 @@ def _extend_kernel(
     prev = seq_len - n_q
     row = tl.load(req_rows_ptr + b).to(tl.int64)
     kv_head = head // GROUP
+    kv_base = kv_head.to(tl.int64) * stride_head  # int64: a head's plane can pass 2**31 elements
     i = block * BLOCK_M + tl.arange(0, BLOCK_M)
     i_mask = i < n_q
     d = tl.arange(0, BLOCK_D)
@@ -211,7 +233,7 @@ def _extend_kernel(
         t = start + n
         t_mask = t < last
         slots = tl.load(req_to_token_ptr + row * stride_table + t, mask=t_mask, other=0).to(tl.int64)
-        kv_off = (slots * H_KV + kv_head)[:, None] * D + d[None, :]
+        kv_off = (slots * stride_slot + kv_base)[:, None] + d[None, :]
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
@@ -271,7 +293,7 @@ def extend_attention(
     _extend_kernel[grid](
         query, k_cache, v_cache, req_to_token, req_rows, seq_lens, qo_indptr, out,
         float(scaling), float(softcap or 1.0), int(sliding_window or 0),
-        req_to_token.stride(0), H=H, H_KV=H_kv, D=D, GROUP=H // H_kv,
+        req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, H_KV=H_kv, D=D, GROUP=H // H_kv,
         BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
     )
