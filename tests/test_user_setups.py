@@ -387,6 +387,34 @@ def test_gradients_of_the_inputs_of_a_frozen_model_equal_stock():
         assert _used(pool) == 0
 
 
+def test_a_decode_step_whose_query_requires_grad_through_a_hook_runs():
+    """A learnable steering vector added by a forward hook (neither a parameter nor an input) makes the decode
+    step's query require grad where astrai-hf cannot see it coming: paged attention must stay differentiable."""
+    model = tiny_model("llama").requires_grad_(False)
+    delta = torch.zeros(model.config.hidden_size, requires_grad=True)
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, i, o: o + delta)
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    nxt = torch.randint(3, 90, (2, 1), generator=torch.Generator().manual_seed(1))
+
+    def decode(cache):
+        delta.grad = None
+        model(ids, past_key_values=cache, use_cache=True)
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        out.logits.sum().backward()
+        return out.logits.detach(), delta.grad
+
+    try:
+        want, _ = decode(transformers.DynamicCache())
+        pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+        with astrai_hf.patched(model, pool=pool), PagedCache(pool) as cache:
+            logits, grad = decode(cache)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert _used(pool) == 0
+
+
 def test_a_model_built_under_inference_mode_can_be_patched():
     with torch.inference_mode():
         model = tiny_model("llama")  # inference tensors: no version counters

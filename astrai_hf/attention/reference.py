@@ -85,8 +85,8 @@ def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_wind
         # [1, H_kv, T, D] views of the pool (each head's run of slots is contiguous in its memory)
         parts = [F.scaled_dot_product_attention(rows[r], k_heads[:, :, lo:hi], v_heads[:, :, lo:hi], scale=scale)
                  for r, lo, hi in spans]
-        if len(spans) == B:  # every row, in order: one copy into the output
-            torch.cat(parts, out=flat)
+        if len(spans) == B and not (torch.is_grad_enabled() and query.requires_grad):
+            torch.cat(parts, out=flat)  # every row, in order: one copy into the output (out= has no autograd)
         else:
             for (r, _, _), part in zip(spans, parts):
                 flat[r] = part[0]
