@@ -21,6 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .storage import gather_kv
+
 FORMAT = "astrai-hf-prefix-cache"
 VERSION = "1"
 _SAMPLES_PER_TENSOR = 4096
@@ -99,9 +101,9 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     for layer in range(pool.num_layers):
         k, v = pool.storage.k[layer], pool.storage.v[layer]
         slots = torch.tensor([n.page * ps + i for n in nodes for i in range(ps)], dtype=torch.long, device=k.device)
-        shape = (len(nodes), ps, *k.shape[1:])
-        tensors[f"k.{layer}"] = k.index_select(0, slots).reshape(shape).cpu().contiguous()
-        tensors[f"v.{layer}"] = v.index_select(0, slots).reshape(shape).cpu().contiguous()
+        # [pages, page_size, H_kv, D] in the file, gathered head by head from the head-major pool
+        tensors[f"k.{layer}"] = gather_kv(k, slots, len(nodes), ps).transpose(1, 2).cpu().contiguous()
+        tensors[f"v.{layer}"] = gather_kv(v, slots, len(nodes), ps).transpose(1, 2).cpu().contiguous()
     metadata = {
         "format": FORMAT,
         "version": VERSION,
