@@ -75,14 +75,14 @@ def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_wind
     B, H, _, D = query.shape
     H_kv = k_cache.shape[1]
     out = query.new_empty(B, 1, H, D)
+    # [1, H_kv, num_slots, D]; sliced to a row's span, a [1, H_kv, T, D] view whose heads are contiguous runs
+    k_heads, v_heads = k_cache.transpose(0, 1)[None], v_cache.transpose(0, 1)[None]
     if softcap is None:
         # one query per row sees every key of its span: the query heads of a KV group become that group's rows
         scale = D**-0.5 if scaling is None else scaling
         grouped = query.reshape(B, H_kv, H // H_kv, D)
         flat = out.view(B, H_kv, H // H_kv, D)
-        k_heads, v_heads = k_cache.transpose(0, 1)[None], v_cache.transpose(0, 1)[None]  # [1, H_kv, num_slots, D]
         rows = grouped[:, None].unbind(0)  # B views [1, H_kv, G, D]
-        # [1, H_kv, T, D] views of the pool (each head's run of slots is contiguous in its memory)
         parts = [F.scaled_dot_product_attention(rows[r], k_heads[:, :, lo:hi], v_heads[:, :, lo:hi], scale=scale)
                  for r, lo, hi in spans]
         if len(spans) == B and not (torch.is_grad_enabled() and query.requires_grad):
@@ -92,7 +92,7 @@ def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_wind
                 flat[r] = part[0]
     else:
         for r, lo, hi in spans:
-            k, v = k_cache[lo:hi].transpose(0, 1)[None], v_cache[lo:hi].transpose(0, 1)[None]
+            k, v = k_heads[:, :, lo:hi], v_heads[:, :, lo:hi]
             out[r] = _attend(query[r : r + 1], k, v, None, False, scaling, softcap)[0].transpose(0, 1)
     if len(spans) < B:
         chosen = {r for r, _, _ in spans}

@@ -68,7 +68,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
     mid_o_ptr, mid_lse_ptr,
     scaling, softcap, window,
-    stride_table, stride_slot, stride_head, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
+    stride_table, stride_slot, stride_head, H: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -184,7 +184,7 @@ def decode_attention(
     _decode_split_kernel[(B, H_kv, num_splits)](
         query, k_cache, v_cache, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
         float(scaling), float(softcap or 1.0), int(sliding_window or 0),
-        req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, H_KV=H_kv, D=D, GROUP=group,
+        req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, D=D, GROUP=group,
         NUM_SPLITS=num_splits,
         BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
@@ -199,7 +199,7 @@ def decode_attention(
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr, qo_indptr_ptr, out_ptr,
     scaling, softcap, window,
-    stride_table, stride_slot, stride_head, H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
+    stride_table, stride_slot, stride_head, H: tl.constexpr, D: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -293,7 +293,7 @@ def extend_attention(
     _extend_kernel[grid](
         query, k_cache, v_cache, req_to_token, req_rows, seq_lens, qo_indptr, out,
         float(scaling), float(softcap or 1.0), int(sliding_window or 0),
-        req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, H_KV=H_kv, D=D, GROUP=H // H_kv,
+        req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, D=D, GROUP=H // H_kv,
         BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
     )
