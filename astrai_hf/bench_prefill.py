@@ -4,7 +4,8 @@ The 8 prompts of the decode benchmark (64 to 1000 tokens, geometrically spaced: 
 is real tokens), greedy. Wall time of ``generate()`` for 1 new token (time to first token) and for 16 and 64 new
 tokens, for: stock ``DynamicCache``; patched astrai-hf with packed prefill (the default) and with
 ``pack_prefill=False`` (the padded rectangle); and transformers' continuous batching ``generate_batch``, which packs
-real tokens too. Methods are interleaved within each repeat; the table gives the median over repeats.
+real tokens too. Methods are interleaved within each repeat; the table gives the median over repeats, and a
+second table each method's time over `DynamicCache`'s within a repeat (median and range over repeats).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ class PrefillResults:
     seconds: dict  # method -> {new_tokens: median seconds}
     same_tokens: dict  # method -> bool (every run equal to DynamicCache)
     repeats: int
+    runs: dict = dataclasses.field(default_factory=dict)  # method -> {new_tokens: [seconds of each repeat]}
+
+    def paired_ratios(self, method: str, n: int) -> list[float]:
+        """``method``'s time over ``DynamicCache``'s in each repeat. The two ran back to back, so a slow spell of
+        the machine weighs on both sides of one ratio, where a ratio of medians can pair a fast run with a slow."""
+        return [t / base for t, base in zip(self.runs[method][n], self.runs["DynamicCache"][n])]
 
 
 def generate_batch_runner(model, pad_token_id: int | None, prompts: list[list[int]], *, num_blocks: int = 2048,
@@ -98,7 +105,7 @@ def run(model, tokenizer, *, new_tokens=(1, 16, 64), repeats: int = 3, seed: int
             if progress is not None:
                 progress.update()
     seconds = {m: {n: statistics.median(v) for n, v in per.items()} for m, per in times.items()}
-    return PrefillResults(lengths, list(new_tokens), seconds, same, repeats)
+    return PrefillResults(lengths, list(new_tokens), seconds, same, repeats, times)
 
 
 def to_markdown(r: PrefillResults, env: dict) -> str:
@@ -118,6 +125,23 @@ def to_markdown(r: PrefillResults, env: dict) -> str:
     for name, per in r.seconds.items():
         cells = " | ".join(f"{per[n]:.2f} ({per[n] / base[n]:.2f}x)" for n in r.new_tokens)
         lines.append(f"| {name} | {cells} | {'yes' if r.same_tokens[name] else 'NO'} |")
+    if r.runs:
+        lines += [
+            "",
+            "Paired: each method's time over DynamicCache's in the same repeat (run back to back), median [min-max] "
+            "over repeats.",
+            "",
+            f"| method | {' | '.join('TTFT' if n == 1 else f'{n} new tokens' for n in r.new_tokens)} |",
+            "|---|" + "---:|" * len(r.new_tokens),
+        ]
+        for name in r.runs:
+            if name == "DynamicCache":
+                continue
+            cells = []
+            for n in r.new_tokens:
+                ratios = r.paired_ratios(name, n)
+                cells.append(f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+            lines.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,13 @@ DEMO_TURNS = [
 ]
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="astrai-hf",
@@ -51,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="decode: tok/s and KV bytes by cache; prefix: time to first token, chat and n samples "
                             "with the prefix cache; prefill: a mixed-length batch end to end, packed vs padded "
                             "(default: all three)")
+    bench.add_argument("--repeats", type=_positive_int, default=3,
+                       help="repeats of the prefill suite, whose table gives medians and paired ratios (default 3)")
     args = parser.parse_args(argv)
     if args.command == "run":
         return _run_script(args)
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(model, tokenizer, args.max_new_tokens)
     if args.command == "generate":
         return _generate(model, tokenizer, args.prompt, args.max_new_tokens, args.sample)
-    return _bench(model, tokenizer, args.out, args.suite, args.plot)
+    return _bench(model, tokenizer, args.out, args.suite, args.plot, args.repeats)
 
 
 def _run_script(args) -> int:
@@ -188,7 +197,7 @@ def _demo(model, tokenizer, max_new_tokens) -> int:
     return 0
 
 
-def _bench(model, tokenizer, out_dir, suite: str = "all", plot_path=None) -> int:
+def _bench(model, tokenizer, out_dir, suite: str = "all", plot_path=None, repeats: int = 3) -> int:
     from tqdm.auto import tqdm
 
     from . import bench, bench_prefill, bench_prefix
@@ -202,11 +211,12 @@ def _bench(model, tokenizer, out_dir, suite: str = "all", plot_path=None) -> int
         return bench_prefix.to_markdown(results, env), {"env": env, **bench_prefix.as_dict(results)}
 
     def prefill(bar):
-        results, env = bench_prefill.run(model, tokenizer, progress=bar), bench.environment(model)
+        results = bench_prefill.run(model, tokenizer, repeats=repeats, progress=bar)
+        env = bench.environment(model)
         return bench_prefill.to_markdown(results, env), {"env": env, **bench_prefill.as_dict(results)}
 
     # suite: (runner, progress steps, file stem); the stems are what astrai_hf.plots.load_results reads
-    suites = {"decode": (decode, 2, "bench"), "prefix": (prefix, 3, "prefix"), "prefill": (prefill, 9, "prefill")}
+    suites = {"decode": (decode, 2, "bench"), "prefix": (prefix, 3, "prefix"), "prefill": (prefill, 3 * repeats, "prefill")}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     collected = {}

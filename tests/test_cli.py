@@ -41,3 +41,10 @@ def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
     assert main(["generate", "hi", "--model", missing]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"astrai-hf: cannot load the model: model folder {missing!r} does not exist"
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_bench_repeats_below_one_is_refused_naming_the_value(value, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--suite", "prefill", "--repeats", value])
+    assert f"must be at least 1, got {value}" in capsys.readouterr().err
