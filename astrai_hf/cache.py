@@ -119,9 +119,14 @@ class PagedCache(Cache):
             its number of new tokens). A row's first pages are taken as one run of consecutive page ids, and with
             this set, the run also covers that many more tokens, or an even share per row of the free pages
             when they do not hold that many (free pages only: nothing cached is evicted for it). A row whose
-            tokens sit in consecutive slots is read by attention as a view of the pool, without a gather. Reserved pages count as used; they return to the pool on
-            release, when rows are reordered, selected or cropped, and whenever a step of any cache finds the
-            pool short (before a cached prefix is evicted or ``CacheFullError`` raised) (default 0).
+            tokens sit in consecutive slots is read by attention as a view of the pool, without a gather. Reserved
+            pages count as used; they return to the pool on release, when rows are reordered, selected or
+            cropped, and whenever a step of any cache finds the pool short (before a cached prefix is evicted or
+            ``CacheFullError`` raised) (default 0).
+        model: the model this cache will serve, checked against the pool before the prompt is looked up
+            (:meth:`PagePool.check_weights`), so that prefixes cached by another model sharing the pool, or by
+            weights changed since, are not reused. Default: the pool's bound model, which catches changed weights;
+            on a patched model, a cache pre-filled for another model is refused at its first forward.
 
     Raises:
         TypeError: ``pool`` is not a PagePool.
@@ -129,6 +134,8 @@ class PagedCache(Cache):
             is not left-padded or does not have the shape of ``input_ids``, ``reserve_new_tokens`` is not a
             non-negative int.
         CacheFullError: a prefix hit needs more request rows than the pool has free.
+        ValueError, at the first forward of a patched model: this cache was pre-filled with prefixes computed by
+            another model, or by weights changed since (the cache is released first).
     """
 
     is_compileable = False  # True makes generate() build 4D masks and torch.compile the forward
@@ -145,6 +152,7 @@ class PagedCache(Cache):
         *,
         prefix_cache: bool = True,
         reserve_new_tokens: int = 0,
+        model: torch.nn.Module | None = None,
     ):
         # Cache.__init__ is not called: it requires per-layer objects, and this cache keeps none.
         if not isinstance(pool, PagePool):
@@ -167,6 +175,7 @@ class PagedCache(Cache):
         self._pending_known: list[int] | None = None
         self._pending_q = 0
         self.prefix_hit_tokens: list[int] = []
+        self.checked_model: int | None = None  # id() of the model a patched forward last checked this cache for
         if input_ids is None:
             return
         if input_ids.dim() != 2:
@@ -191,7 +200,30 @@ class PagedCache(Cache):
         self._prompt_pads, self._num_pad = pads, list(pads)
         self._prompt_ids = [row[p:] for row, p in zip(input_ids.tolist(), pads)]
         if prefix_cache and pool.prefix_cache is not None and L > 1:
+            target = model if model is not None else pool.model
+            if target is not None:
+                pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
+                self.checked_model = id(target)
             self._match_prefix(pads, L)
+
+    def check_prefix_hits(self) -> None:
+        """Raise if the prefixes this cache started with were dropped from the prefix cache since it matched them:
+        the pool was bound to another model or saw the weights change (:meth:`PagePool.check_weights`), so their
+        K/V may not be what this model computes. The cache is released first.
+
+        Raises:
+            ValueError: as above.
+        """
+        hit, pc = sum(self.prefix_hit_tokens), self.pool.prefix_cache
+        if not hit or pc is None or self._rows.epoch is None or self._rows.epoch == pc.epoch:
+            return
+        self.release()
+        raise ValueError(
+            f"this PagedCache started with {hit} prompt tokens from the prefix cache, which has been cleared since "
+            "because the pool now serves another model or the weights changed: those K/V may not be this model's. "
+            "Build the cache right before generate() with PagedCache(pool, input_ids, attention_mask, model=model), "
+            "or let the patched generate() make its own"
+        )
 
     # ------------------------------------------------------------------ views
     @property

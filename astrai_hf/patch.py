@@ -430,6 +430,15 @@ def _wrap_forward(model, forward, state: PatchState):
         cache = _find_cache(kwargs)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
+        if id(cache.pool) not in state.checked_pools:
+            cache.pool.check_model(model)
+            state.checked_pools.add(id(cache.pool))
+        if cache.pool.model is not model or cache.checked_model != id(model):
+            # another model shares the pool, or the weights changed: the cached prefixes are not ours, and a cache
+            # pre-filled from them must not run
+            cache.pool.check_weights(model)
+            cache.checked_model = id(model)
+            cache.check_prefix_hits()
         if _custom_mask(kwargs, check_token_types=not cache.made_by_generate):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
@@ -439,11 +448,6 @@ def _wrap_forward(model, forward, state: PatchState):
             # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
             # (paged attention reads the pool, which is outside autograd)
             return forward(*args, **kwargs)
-        if id(cache.pool) not in state.checked_pools:
-            cache.pool.check_model(model)
-            state.checked_pools.add(id(cache.pool))
-        if cache.pool.model is not model:  # another model shares the pool: its cached prefixes are not ours
-            cache.pool.bind_model(model)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         B, q = inputs.shape[:2]
@@ -623,8 +627,9 @@ def _wrap_generate(model, generate, state: PatchState):
             _rebuild_pool(model, state)
         pool, cache, failed = state.pool, None, None
         try:
-            pool.check_weights(model)  # another model's K/V, or weights changed in place: no stale prefix hits
-            cache = _cache_for(pool, args, kwargs, config, state.rope_by_length, state.embeds_token_types)
+            # the cache checks the pool against the model before it looks the prompt up (another model's K/V, or
+            # weights changed in place: no stale prefix hits), else the first forward does
+            cache = _cache_for(pool, model, args, kwargs, config, state.rope_by_length, state.embeds_token_types)
         except Exception as e:
             failed = e
         try:
@@ -697,7 +702,7 @@ def _cache_implementation(kwargs: dict, passed, default) -> str | None:
     return None if value == "hybrid" else value
 
 
-def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config, rope_by_length: bool = False,
+def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by_length: bool = False,
                embeds_token_types: bool = True) -> PagedCache:
     """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
     found."""
@@ -738,7 +743,7 @@ def _cache_for(pool: PagePool, args: tuple, kwargs: dict, config, rope_by_length
     plain = not (candidates or custom_inputs or autocast or rope_by_length
                  or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
-    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens)
+    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))

@@ -6,8 +6,9 @@ File layout (one ``.safetensors`` file)::
     metadata  format   "astrai-hf-prefix-cache"
               version  "1"
               fingerprint  JSON: architecture, model_type, num_layers, num_kv_heads, head_dim, dtype, page_size,
-                           weights (a blake2b digest over every parameter's name, shape, dtype and a strided sample
-                           of its values)
+                           weights (a blake2b digest over every parameter's and buffer's name, shape, dtype and a
+                           strided sample of its values), config (a blake2b digest of the config fields that change
+                           what the layers compute)
               index    JSON list, parents before children: [parent_position or -1, [token ids, page_size or fewer]]
 """
 
@@ -28,16 +29,50 @@ VERSION = "1"
 _SAMPLES_PER_TENSOR = 4096
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A hex digest of the model's parameters: names, shapes, dtypes and up to 4096 evenly strided values each.
+# config fields that name, label or steer a model's use and leave what its layers compute alone
+_CONFIG_IGNORED = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache", "return_dict",
+    "output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type", "finetuning_task",
+    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "tokenizer_class", "task_specific_params", "prefix", "chunk_size_feed_forward",
+})
 
-    Cheap (no full pass over the weights) and different for any two checkpoints that differ in more than a few
-    isolated values. A tensor-parallel rank digests its own shards (no communication), so each rank's digest is
-    its own. Parameters offloaded by a ``device_map`` (on ``meta``, no data here) count by name, shape and dtype.
+
+def _config_fields(value):
+    """``value`` (a config's dict) without the fields in ``_CONFIG_IGNORED`` or private ones, at every depth
+    (composite models nest their text and vision configs)."""
+    if isinstance(value, dict):
+        return {k: _config_fields(v) for k, v in value.items() if k not in _CONFIG_IGNORED and not k.startswith("_")}
+    if isinstance(value, (list, tuple)):
+        return [_config_fields(v) for v in value]
+    return value
+
+
+def config_fingerprint(model: torch.nn.Module) -> str:
+    """A hex digest of the model's config, the fields that change what its layers compute (RoPE theta and scaling,
+    sliding windows, norms' epsilon, activation, soft-capping, ...): everything but names, token ids, labels and
+    output switches. Empty string for a module without a ``config``."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return ""
+    text = json.dumps(_config_fields(config.to_dict()), sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A hex digest of the model's parameters and buffers: names, shapes, dtypes and up to 4096 evenly strided
+    values each.
+
+    Buffers count because some set what the layers compute as weights do (RoPE's ``inv_freq``, from the config's
+    theta and scaling). Cheap (no full pass over the weights) and different for any two checkpoints that differ in
+    more than a few isolated values. A tensor-parallel rank digests its own shards (no communication), so each
+    rank's digest is its own. Tensors offloaded by a ``device_map`` (on ``meta``, no data here) count by name,
+    shape and dtype.
     """
     h = hashlib.blake2b(digest_size=16)
-    for name, p in sorted(model.named_parameters(), key=lambda item: item[0]):
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
+    named = [("param", *item) for item in model.named_parameters()] + [("buffer", *item) for item in model.named_buffers()]
+    for kind, name, p in sorted(named, key=lambda item: (item[0], item[1])):
+        h.update(f"{kind}|{name}|{tuple(p.shape)}|{p.dtype}".encode())
         local = p.to_local() if hasattr(p, "to_local") else p  # DTensor under tensor parallelism
         if local.is_meta:
             continue
@@ -49,9 +84,14 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Weights and config together: two models whose K/V for the same tokens could differ digest differently."""
+    return f"{weights_fingerprint(model)}.{config_fingerprint(model)}"
+
+
 def fingerprint(pool, model: torch.nn.Module) -> dict[str, str | int]:
     """What a saved prefix cache must match to be loaded: the pool's KV geometry, dtype, page size and the model's
-    architecture and weights."""
+    architecture, weights and config."""
     spec = pool.config.spec
     return {
         "architecture": type(model).__name__,
@@ -62,6 +102,7 @@ def fingerprint(pool, model: torch.nn.Module) -> dict[str, str | int]:
         "dtype": str(pool.dtype).removeprefix("torch."),
         "page_size": pool.page_size,
         "weights": weights_fingerprint(model),
+        "config": config_fingerprint(model),
     }
 
 
@@ -147,40 +188,87 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
             raise ValueError(f"{path} has prefix cache version {meta.get('version')!r}; this release reads {VERSION}")
         saved = json.loads(meta["fingerprint"])
         mine = fingerprint(pool, model)
-        diff = [f"{k}: file {saved.get(k)!r} vs this pool/model {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
+        diff = [f"{k}: {'not in the file (saved by an earlier release)' if k not in saved else f'file {saved[k]!r}'} "
+                f"vs this pool/model {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
         if diff:
             raise ValueError(f"{path} was saved for a different model or pool; refusing to load it ({'; '.join(diff)})")
-        index = json.loads(meta["index"])
+        index = _read_index(path, meta, pool.page_size)
+        _check_tensors(path, f, pool, len(index))
+        pool.check_weights(model)  # cached pages of weights changed since must not shadow the file's
         cache, alloc, ps = pool.prefix_cache, pool.allocator, pool.page_size
         nodes: list = [None] * len(index)
         placed: list[tuple[int, int]] = []  # (position in file, page)
-        for i, (parent_pos, tokens) in enumerate(index):
-            parent = cache.root if parent_pos < 0 else nodes[parent_pos]
-            if parent is None:
-                continue
-            tokens = tuple(tokens)
-            if not 0 < len(tokens) <= ps:
-                raise ValueError(f"{path}: entry {i} holds {len(tokens)} tokens; page_size is {ps}")
-            existing = cache.find(parent, tokens)
-            if existing is not None:
-                nodes[i] = existing
-                continue
-            if alloc.num_free == 0:
-                continue
-            (page,) = alloc.alloc(1)
-            try:
-                nodes[i] = cache.attach(parent, tokens, page)
-            except BaseException:
-                alloc.decref([page])
-                raise
-            placed.append((i, page))
-        if placed:
-            src = torch.tensor([i for i, _ in placed], dtype=torch.long)
-            for layer in range(pool.num_layers):
-                for name, store in (("k", pool.storage.k[layer]), ("v", pool.storage.v[layer])):
-                    pages = f.get_tensor(f"{name}.{layer}").index_select(0, src)
-                    slots = torch.tensor(
-                        [p * ps + j for _, p in placed for j in range(ps)], dtype=torch.long, device=store.device
-                    )
-                    store.index_copy_(0, slots, pages.reshape(-1, *store.shape[1:]).to(store.device, store.dtype))
+        try:
+            for i, (parent_pos, tokens) in enumerate(index):
+                parent = cache.root if parent_pos < 0 else nodes[parent_pos]
+                if parent is None:
+                    continue
+                existing = cache.find(parent, tokens)
+                if existing is not None:
+                    nodes[i] = existing
+                    continue
+                if alloc.num_free == 0:
+                    continue
+                (page,) = alloc.alloc(1)
+                try:
+                    nodes[i] = cache.attach(parent, tokens, page)
+                except BaseException:
+                    alloc.decref([page])
+                    raise
+                placed.append((i, page))
+            if placed:
+                src = torch.tensor([i for i, _ in placed], dtype=torch.long)
+                for layer in range(pool.num_layers):
+                    for name, store in (("k", pool.storage.k[layer]), ("v", pool.storage.v[layer])):
+                        pages = f.get_tensor(f"{name}.{layer}").index_select(0, src)
+                        slots = torch.tensor(
+                            [p * ps + j for _, p in placed for j in range(ps)], dtype=torch.long, device=store.device
+                        )
+                        store.index_copy_(0, slots, pages.reshape(-1, *store.shape[1:]).to(store.device, store.dtype))
+        except BaseException:
+            # nothing half-loaded stays indexed: a page whose K/V were not all written would serve wrong prefixes
+            for i, _ in reversed(placed):  # children before parents
+                cache.remove(nodes[i])
+            raise
     return len(placed)
+
+
+def _read_index(path: Path, meta: dict, page_size: int) -> list[tuple[int, tuple[int, ...]]]:
+    """The file's index as ``(parent position or -1, token ids)`` pairs, every entry checked before any is used.
+
+    Raises:
+        ValueError: the index is not JSON, or an entry is malformed, names a parent that does not come before it,
+            or holds no tokens or more than ``page_size``.
+    """
+    try:
+        raw = json.loads(meta["index"])
+    except (KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: the prefix cache index is missing or not JSON ({e})") from None
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: the prefix cache index must be a list, got {type(raw).__name__}")
+    index = []
+    for i, entry in enumerate(raw):
+        ok = isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and isinstance(entry[1], list)
+        if not ok or not all(type(t) is int and t >= 0 for t in entry[1]):
+            raise ValueError(f"{path}: entry {i} of the index is not [parent, [token ids]]: {entry!r:.80}")
+        parent_pos, tokens = entry
+        if not -1 <= parent_pos < i:
+            raise ValueError(f"{path}: entry {i} names parent {parent_pos}; a parent must come before its children")
+        if not 0 < len(tokens) <= page_size:
+            raise ValueError(f"{path}: entry {i} holds {len(tokens)} tokens; page_size is {page_size}")
+        index.append((parent_pos, tuple(tokens)))
+    return index
+
+
+def _check_tensors(path: Path, f, pool, num_pages: int) -> None:
+    """Raises ValueError unless the file holds ``k.{layer}`` and ``v.{layer}`` of shape
+    [num_pages, page_size, H_kv, D] for every layer of the pool."""
+    keys = set(f.keys())
+    for layer in range(pool.num_layers):
+        want = [num_pages, pool.page_size, *pool.storage.k[layer].shape[1:]]
+        for name in (f"k.{layer}", f"v.{layer}"):
+            if name not in keys:
+                raise ValueError(f"{path}: tensor {name!r} is missing ({pool.num_layers} layers expected)")
+            shape = list(f.get_slice(name).get_shape())
+            if shape != want:
+                raise ValueError(f"{path}: tensor {name!r} has shape {shape}, expected {want}")

@@ -286,8 +286,9 @@ class PagePool:
     def bind_model(self, model: torch.nn.Module) -> None:
         """Record the model whose K/V this pool holds (done by ``from_model`` and ``patch``).
 
-        Cached prefixes are only valid for the weights that computed them: binding a model whose weights differ
-        from the previously bound model's clears the prefix cache.
+        Cached prefixes are only valid for the weights that computed them: binding a model whose weights, buffers
+        or config (RoPE, windows, ...; see :func:`astrai_hf.persist.config_fingerprint`) differ from the previously
+        bound model's clears the prefix cache.
 
         Binding a tensor-parallel model makes the pool agree with the model's other ranks (a collective: call it on
         every rank).
@@ -299,7 +300,7 @@ class PagePool:
         current = self._model_ref() if self._model_ref is not None else None
         if current is model:
             return
-        from .persist import weights_fingerprint
+        from .persist import model_fingerprint
 
         ranks = rank_group(attention_modules(model))
         if ranks is not None:
@@ -313,7 +314,7 @@ class PagePool:
             ranks.check_equal("the PagePool", geometry, "every rank must build its pool with the same settings")
         self.ranks = ranks
 
-        digest = weights_fingerprint(model)
+        digest = model_fingerprint(model)
         if self._model_fingerprint is not None and digest != self._model_fingerprint:
             dropped = self.clear_prefix_cache()
             logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
@@ -337,9 +338,9 @@ class PagePool:
         if self._weights_version is not None and not self._weights_version.matches(model):
             dropped = self.clear_prefix_cache()
             logger.info("the model's weights changed: dropped %d cached prefix pages", dropped)
-            from .persist import weights_fingerprint
+            from .persist import model_fingerprint
 
-            self._model_fingerprint = weights_fingerprint(model)
+            self._model_fingerprint = model_fingerprint(model)
         self._weights_version = _WeightsVersion(model)
 
     @property

@@ -227,6 +227,12 @@ class PrefixCache:
             logger.debug("prefix cache: evicted %d pages (%d wanted)", freed, num_pages)
         return freed
 
+    def remove(self, node: _Node) -> None:
+        """Unindex ``node``, which must have no children, and drop the cache's reference on its page."""
+        if node.children:
+            raise ValueError(f"page {node.page} has {len(node.children)} cached children; remove them first")
+        self._remove(node)
+
     def _remove(self, node: _Node) -> None:
         node.parent.children.remove(node)
         bucket = self._buckets[node.key]

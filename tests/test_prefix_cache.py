@@ -413,3 +413,169 @@ def test_rebinding_a_pool_to_other_weights_drops_the_cache(llama):
     ref = other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
     assert torch.equal(_generate(other, pool, ids, mask, max_new_tokens=3), ref)
     assert pool.stats()["prefix_hit_tokens"] == 0
+
+
+def _saved_file(model, tmp_path, seed=18):
+    pool = _pool(model)
+    ids, mask = _batch([_tokens(40, seed=seed)])
+    _generate(model, pool, ids, mask, max_new_tokens=3)
+    path = tmp_path / "good.safetensors"
+    assert pool.save_prefix_cache(path) == 3
+    return path, ids, mask
+
+
+def _rewrite(src, dst, edit):
+    """Copy a saved prefix cache with ``edit(tensors, metadata)`` applied."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = dict(f.metadata())
+    meta["index"], meta["fingerprint"] = json.loads(meta["index"]), json.loads(meta["fingerprint"])
+    edit(tensors, meta)
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+_BROKEN = {
+    # a last entry of more tokens than a page holds: before, the entries ahead of it stayed indexed with no K/V
+    "an entry longer than a page": (lambda t, m: m["index"].append([0, list(range(3, 3 + PAGE + 1))]),
+                                    "holds 17 tokens"),
+    "a missing tensor": (lambda t, m: t.pop("v.1"), "'v.1' is missing"),
+    "a tensor of the wrong shape": (lambda t, m: t.update({"k.0": t["k.0"][:2]}), "'k.0' has shape"),
+    "a parent after its child": (lambda t, m: m["index"].__setitem__(1, [2, m["index"][1][1]]),
+                                 "parent must come before"),
+    "an entry that is not [parent, tokens]": (lambda t, m: m["index"].__setitem__(0, [-1, "abc"]),
+                                              "is not \\[parent, \\[token ids\\]\\]"),
+    "a fingerprint from before the config was in it": (lambda t, m: m["fingerprint"].pop("config"),
+                                                       "config: not in the file"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BROKEN))
+def test_a_failed_load_leaves_the_prefix_cache_as_it_was(llama, tmp_path, case):
+    path, ids, mask = _saved_file(llama, tmp_path)
+    edit, message = _BROKEN[case]
+    broken = _rewrite(path, tmp_path / "broken.safetensors", edit)
+    pool = _pool(llama)
+    other_ids, other_mask = _batch([_tokens(20, seed=19)])
+    _generate(llama, pool, other_ids, other_mask, max_new_tokens=2)
+    before = pool.stats()["prefix_cache_pages"]
+    with pytest.raises(ValueError, match=message):
+        pool.load_prefix_cache(broken)
+    assert pool.stats()["prefix_cache_pages"] == before
+    _assert_pool_idle(pool)
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
+    assert hit == 0 and torch.equal(out, ref)
+    fresh = _pool(llama)
+    with pytest.raises(ValueError, match=message):
+        fresh.load_prefix_cache(broken)
+    assert fresh.load_prefix_cache(path) == 3  # the good file loads after the failure, and serves
+    out, hit = _hits(fresh, lambda: _generate(llama, fresh, ids, mask, max_new_tokens=4))
+    assert hit == 39 and torch.equal(out, ref)
+    _assert_pool_idle(fresh)
+
+
+def test_a_load_interrupted_while_copying_unindexes_what_it_placed(llama, tmp_path, monkeypatch):
+    import astrai_hf.persist as persist
+
+    path, ids, mask = _saved_file(llama, tmp_path)
+    real_open = persist.safe_open
+
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+            self.reads = 0
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def get_tensor(self, name):
+            self.reads += 1
+            if self.reads == 3:  # layer 0 copied, layer 1 half
+                raise KeyboardInterrupt
+            return self.f.get_tensor(name)
+
+    monkeypatch.setattr(persist, "safe_open", Failing)
+    pool = _pool(llama)
+    with pytest.raises(KeyboardInterrupt):
+        pool.load_prefix_cache(path)
+    assert pool.stats()["prefix_cache_pages"] == 0
+    _assert_pool_idle(pool)
+    monkeypatch.undo()
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
+    assert hit == 0 and torch.equal(out, ref)
+
+
+def test_the_same_weights_under_another_rope_config_are_another_model(tmp_path):
+    a = tiny_model("llama", max_position_embeddings=2048)
+    b = tiny_model("llama", max_position_embeddings=2048, rope_theta=2.0)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    ids, mask = _batch([_tokens(40, seed=20)])
+    ref_b = b.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    pool = _pool(a)
+    _generate(a, pool, ids, mask, max_new_tokens=4)
+    out, hit = _hits(pool, lambda: _generate(b, pool, ids, mask, max_new_tokens=4))
+    assert hit == 0 and torch.equal(out, ref_b)
+    path, _, _ = _saved_file(a, tmp_path)
+    with pytest.raises(ValueError, match="config: file"):
+        _pool(b).load_prefix_cache(path)
+
+
+def test_a_cache_built_after_the_weights_changed_in_place_is_not_prefilled(tmp_path):
+    model = tiny_model("llama", max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=21)])
+    pool = _pool(model)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+        with torch.no_grad():  # an optimizer step
+            model.model.layers[0].self_attn.v_proj.weight.mul_(-1.0)
+        with PagedCache(pool, ids, mask) as cache:
+            assert cache.get_seq_length() == 0
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, **{_kw(model): cache})
+    finally:
+        astrai_hf.unpatch(model)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    assert torch.equal(out, ref)
+    _assert_pool_idle(pool)
+
+
+def test_a_cache_prefilled_for_another_model_on_a_shared_pool(tmp_path):
+    a = tiny_model("llama", max_position_embeddings=2048)
+    b = tiny_model("llama", seed=1, max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=22), _tokens(25, seed=23)])
+    ref_a = a.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    pool = _pool(a)
+    astrai_hf.patch(a, pool=pool)
+    astrai_hf.patch(b, pool=pool)
+    kw = {"attention_mask": mask, "do_sample": False, "max_new_tokens": 3}
+    try:
+        b.generate(ids, **kw)
+        with PagedCache(pool, ids, mask) as cache:  # looked up for the pool's model, b
+            assert cache.get_seq_length() > 0
+            with pytest.raises(ValueError, match="model=model"):
+                a.generate(ids, **kw, **{_kw(a): cache})
+        _assert_pool_idle(pool)
+        b.generate(ids, **kw)
+        with PagedCache(pool, ids, mask, model=a) as cache:
+            assert cache.get_seq_length() == 0
+            out = a.generate(ids, **kw, **{_kw(a): cache})
+        assert torch.equal(out, ref_a)
+    finally:
+        astrai_hf.unpatch(a)
+        astrai_hf.unpatch(b)
+    _assert_pool_idle(pool)
