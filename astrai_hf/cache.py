@@ -36,6 +36,9 @@ class _Rows:
         self.reserved: list[list[int]] = []
         self.insert_on_release = True  # offer the pages to the prefix cache on release
         self.epoch: int | None = None  # the prefix cache's epoch when these rows were first written
+        # whether every step stored K/V as generate() would compute them for these token ids: False after a step
+        # under active dropout; a device bool (read at release only) after steps at positions of the caller's own
+        self.reusable: bool | torch.Tensor = True
 
     def release(self) -> None:
         pool = self.pool
@@ -43,13 +46,14 @@ class _Rows:
             try:
                 # rows written before the prefix cache was last cleared (the pool bound to another model, or the
                 # weights changed) hold K/V no later prompt may reuse
-                if pool.prefix_cache is not None and self.insert_on_release and self.epoch == pool.prefix_cache.epoch:
+                if (pool.prefix_cache is not None and self.insert_on_release and self.epoch == pool.prefix_cache.epoch
+                        and bool(self.reusable)):
                     self._insert_into_prefix_cache()
             finally:
                 # the rows are emptied before anything is returned: a release that fails midway may leak, but it
                 # never returns a page twice (the finaliser calls release again)
                 pages, req_rows = self.pages, self.req_rows
-                self.req_rows, self.pages, self.known = [], [], []
+                self.req_rows, self.pages, self.known, self.reusable = [], [], [], True
                 try:
                     self.drop_reserved()
                 finally:
@@ -142,6 +146,7 @@ class PagedCache(Cache):
     stock_attention = False  # a patched model runs its own attention on this cache (set for output_attentions)
     verifies_candidates = False  # set by a patched generate() running prompt lookup or assisted decoding
     made_by_generate = False  # set on the cache a patched generate() makes for itself (and releases)
+    returned_by_generate = False  # set when that generate() has returned: the cache is released for good
     is_croppable = True
 
     def __init__(
@@ -176,6 +181,7 @@ class PagedCache(Cache):
         self._pending_q = 0
         self.prefix_hit_tokens: list[int] = []
         self.checked_model: int | None = None  # id() of the model a patched forward last checked this cache for
+        self.step_saw_positions = False
         if input_ids is None:
             return
         if input_ids.dim() != 2:
@@ -205,6 +211,21 @@ class PagedCache(Cache):
                 pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
                 self.checked_model = id(target)
             self._match_prefix(pads, L)
+
+    def forget_prefix_hits(self) -> None:
+        """Start empty after all, keeping the prompt: a cache that was pre-filled from the prefix cache and has
+        run no step yet drops its hit (the pages stay cached). A patched ``generate()`` calls it when the call
+        cannot build on a pre-filled cache (candidate decoding, dropout in training mode)."""
+        if self._first_step_planned or not any(self.prefix_hit_tokens):
+            return
+        rows = self._rows
+        insert, rows.insert_on_release = rows.insert_on_release, False
+        try:
+            rows.release()
+        finally:
+            rows.insert_on_release = insert
+        self.logical_len = 0
+        self.prefix_hit_tokens = [0] * len(self.prefix_hit_tokens)
 
     def check_prefix_hits(self) -> None:
         """Raise if the prefixes this cache started with were dropped from the prefix cache since it matched them:
@@ -333,6 +354,7 @@ class PagedCache(Cache):
                 self.release()
                 raise
         self._step, self._step_layers = step, set()
+        self.step_saw_positions = False  # whether the layers passed update() this step's position_ids
         return step
 
     def _check_padding(self, B, q, position_ids, attention_mask) -> None:
@@ -361,6 +383,13 @@ class PagedCache(Cache):
         self._first_step_planned = True
 
     def _plan(self, B, q, position_ids, attention_mask, input_ids, paged) -> StepMetadata:
+        if self.returned_by_generate:
+            raise ValueError(
+                "this PagedCache is the one a patched generate() returned; it was released when that call ended "
+                "(its pages went to the prefix cache), so it holds no K/V to continue from. Pass it, or nothing, to "
+                "generate() with the whole sequence so far (the prefix cache serves what was computed), or run your "
+                "own forward loop on a PagedCache(pool, ...) of your own"
+            )
         rows, pool = self._rows, self.pool
         ps = pool.page_size
         self._check_padding(B, q, position_ids, attention_mask)
@@ -530,6 +559,23 @@ class PagedCache(Cache):
         for r, run in zip(fresh, runs or ()):
             rows.reserved[r] = run
 
+    def _note_positions(self, position_ids: torch.Tensor, step: StepMetadata, B: int, q: int) -> None:
+        """Keep this cache's tokens out of the prefix cache if a step placed them at positions other than the ones
+        ``generate()`` gives them (a forward of the caller's own on a padded batch without ``position_ids``, or
+        with positions of its choosing): the prefix cache keys K/V by token ids alone. The comparison stays on
+        the device; it is read once, at release."""
+        rows = self._rows
+        if (rows.reusable is False or self.pool.prefix_cache is None or not rows.insert_on_release
+                or position_ids.dim() != 2 or position_ids.shape[-1] != q or position_ids.shape[0] not in (1, B)
+                or self._num_pad is None or B % len(self._num_pad)):
+            return
+        dev = position_ids.device
+        pads = torch.tensor(self._num_pad, device=dev).repeat_interleave(B // len(self._num_pad))
+        start = step.logical_len - q
+        expected = torch.arange(start, start + q, device=dev)[None, :] - pads[:, None]  # each row's own positions
+        ok = ((position_ids == expected) | (expected < 0)).all()  # padding columns may hold anything
+        rows.reusable = ok if rows.reusable is True else rows.reusable & ok
+
     def _find_padding(self, B, q, position_ids, attention_mask) -> list[int]:
         """Left-padding columns per row, from the best source available on the first step."""
         width = self.logical_len + q
@@ -561,13 +607,20 @@ class PagedCache(Cache):
             CacheFullError: the pool is full (see :meth:`plan_step`).
         """
         step = self._step
-        if step is None or layer_idx in self._step_layers:
+        first = step is None or layer_idx in self._step_layers or not self._step_layers  # this step's first layer
+        position_ids = None
+        if first:
             layer_kwargs = kwargs.get("kwargs")
             if layer_kwargs is None and args and isinstance(args[0], dict):
                 layer_kwargs = args[0]
             position_ids = layer_kwargs.get("position_ids") if isinstance(layer_kwargs, dict) else None
+        if step is None or layer_idx in self._step_layers:
             B, _, q, _ = key_states.shape
             step = self.plan_step(B, q, position_ids=position_ids, paged=False)
+        if first and position_ids is not None:
+            self.step_saw_positions = True
+            if not self.made_by_generate:
+                self._note_positions(position_ids, step, key_states.shape[0], key_states.shape[2])
         self._pending_q = 0
         self._step_layers.add(layer_idx)
         key_states, value_states = self._check_layer(layer_idx, key_states, value_states)
@@ -796,6 +849,7 @@ class PagedCache(Cache):
             for pages in twin._rows.pages:
                 pool.allocator.incref(pages)
             twin._rows.known = list(rows.known)
+            twin._rows.reusable = rows.reusable
             twin._rows.reserved = [[] for _ in new_rows]
         return twin
 

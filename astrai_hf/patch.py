@@ -443,6 +443,11 @@ def _wrap_forward(model, forward, state: PatchState):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
             return forward(*args, **kwargs)
+        if model.training and dropout_active(model):
+            # training mode with dropout: the model's own attention applies its dropout (paged attention has none),
+            # over K/V gathered from the pool; K/V computed under dropout are no prefix for a later prompt
+            cache._rows.reusable = False
+            return forward(*args, **kwargs)
         if _records_grad(model, args, kwargs):
             # a forward that autograd records (training, a loss, gradients of the inputs): the model's own attention
             # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
@@ -459,6 +464,8 @@ def _wrap_forward(model, forward, state: PatchState):
             input_ids=input_ids,
             paged=True,
         )
+        if not cache.made_by_generate and kwargs.get("position_ids") is not None:
+            cache._note_positions(kwargs["position_ids"], step, B, q)  # (older releases pass layers no positions)
         cache._pending_q = q  # the model may ask get_seq_length() before any layer stores this step
         try:
             with paged_attention_on(state, step, cache.pool):
@@ -471,7 +478,13 @@ def _wrap_forward(model, forward, state: PatchState):
                     model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=chunk_tokens,
                 ):
                     return packing.packed_forward(forward, kwargs, cache, state, step, input_ids, chunk_tokens)
-                return forward(*args, **kwargs)
+                out = forward(*args, **kwargs)
+            if not cache.made_by_generate and kwargs.get("position_ids") is None and not cache.step_saw_positions:
+                # a forward of the caller's without position_ids, on a release whose layers do not pass them to
+                # update(): the model counted positions from the cache length, padding included
+                start = step.logical_len - q
+                cache._note_positions(torch.arange(start, start + q)[None], step, B, q)
+            return out
         except BaseException:
             cache.crop(-q)  # roll the failed step back so the cache stays consistent
             raise
@@ -479,6 +492,7 @@ def _wrap_forward(model, forward, state: PatchState):
             cache._pending_q = 0
 
     state.forward = forward
+    paged_forward.astrai_hf_wrapper = True  # not a change of the model's code (see pool._code_and_settings)
     return paged_forward
 
 
@@ -509,6 +523,23 @@ def _custom_mask(kwargs: dict, check_token_types: bool = True) -> bool:
     if isinstance(mask, torch.Tensor) and mask.dim() > 2:
         return True
     return check_token_types and any(isinstance(kwargs.get(name), torch.Tensor) and bool(kwargs[name].any()) for name in _TOKEN_TYPES)
+
+
+def dropout_active(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` in training mode drops out: an ``nn.Dropout`` (any kind) with ``p > 0``, or a
+    float attribute whose name has ``dropout`` in it (``attention_dropout``, ``self.dropout`` handed to
+    ``F.dropout``) above 0."""
+    for m in model.modules():
+        if not m.training:
+            continue
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            if m.p > 0:
+                return True
+            continue
+        for name, value in vars(m).items():
+            if "dropout" in name and type(value) in (float, int) and value > 0:
+                return True
+    return False
 
 
 def _records_grad(model, args: tuple, kwargs: dict) -> bool:
@@ -597,6 +628,12 @@ def _wrap_generate(model, generate, state: PatchState):
             # what the earlier call computed
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
+        if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config)
+                                              or (model.training and dropout_active(model))):
+            # candidate decoding crops and re-verifies from the prompt on, and a forward under dropout computes the
+            # prompt afresh: a cache of the caller's that the prefix cache pre-filled starts empty instead
+            given.forget_prefix_hits()
+            given.verifies_candidates = _candidate_decoding(kwargs, config)
         if given is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
         other = _other_inputs(kwargs)
@@ -642,6 +679,7 @@ def _wrap_generate(model, generate, state: PatchState):
             return generate(*args, **{**kwargs, state.cache_kwarg: cache})
         finally:
             cache.release()
+            cache.returned_by_generate = True
 
     return paged_generate
 
@@ -728,8 +766,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # Candidate generation (prompt lookup, assistant models) crops and re-verifies tokens; outputs of every
     # prompt position (hidden states, attentions) need the whole prompt computed. Neither reads nor fills the
     # prefix cache.
-    candidates = bool(_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
-                      or _get(kwargs, config, "assistant_early_exit"))
+    candidates = _candidate_decoding(kwargs, config)
     # The prefix cache keys K/V by token ids alone: K/V computed from embeddings or at positions of the caller's
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
     # Token types (GPT-2 embeds them, type 0 included) likewise; in models that only mask with them (Gemma 3,
@@ -740,7 +777,10 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the
     # one stock runs over the whole prompt
     autocast = torch.is_autocast_enabled(pool.config.layer_devices[0].type)
-    plain = not (candidates or custom_inputs or autocast or rope_by_length
+    # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
+    # prefix what a training-mode forward computes
+    dropout = model.training and dropout_active(model)
+    plain = not (candidates or custom_inputs or autocast or rope_by_length or dropout
                  or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
@@ -750,6 +790,12 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     cache.verifies_candidates = candidates
     cache.made_by_generate = True
     return cache
+
+
+def _candidate_decoding(kwargs: dict, config) -> bool:
+    """Prompt lookup or assisted decoding (an assistant model, or early exit)."""
+    return bool(_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
+                or _get(kwargs, config, "assistant_early_exit"))
 
 
 def rope_depends_on_length(config) -> bool:

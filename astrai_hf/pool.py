@@ -547,6 +547,8 @@ class _WeightsVersion:
     - its parameters and buffers (RoPE frequencies, scales): the sum of their version counters (it grows with every
       in-place change, an optimizer step or ``load_state_dict``), and each one's storage, held by weak reference (a
       new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``);
+    - each module's code and settings: its class, a ``forward`` replaced on the class or the instance, a submodule
+      swapped for another, a scalar attribute changed (``scaling``);
     - the forward hooks and pre-hooks on its modules and the global ones (activation steering, ablations, probes);
     - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales).
 
@@ -576,13 +578,32 @@ def _hook_ids(hooks: dict) -> tuple:
     return tuple(k for k, fn in hooks.items() if not getattr(fn, "__module__", "").startswith("transformers."))
 
 
+_SCALARS = (bool, int, float, str)
+
+
+def _code_and_settings(m: torch.nn.Module) -> tuple:
+    """A module's code and settings: its class and the class's ``forward``, a ``forward`` set on the instance
+    (astrai-hf's own wrapper left out), and its public scalar attributes (``scaling``, ``head_dim``, ...;
+    ``training`` left out, train/eval alone does not change what is cached)."""
+    cls = type(m)
+    own = m.__dict__.get("forward")
+    if getattr(own, "astrai_hf_wrapper", False):
+        own = None
+    settings = tuple((k, v) for k, v in m.__dict__.items()
+                     if type(v) in _SCALARS and k != "training" and not k.startswith("_"))
+    return cls, getattr(cls, "forward", None), own, settings
+
+
 def _behaviour(model: torch.nn.Module) -> tuple:
-    """What changes a model's outputs besides its tensors: the ids of the forward hooks on its modules and of the
-    global module hooks (transformers' own left out), and each peft tuner layer's adapter state."""
+    """What changes a model's outputs besides its tensors: each module's code and settings (its class, a
+    ``forward`` replaced on the class or the instance, a submodule swapped, a scalar attribute changed), the ids
+    of the forward hooks on its modules and of the global module hooks (transformers' own left out), and each
+    peft tuner layer's adapter state."""
     from torch.nn.modules import module as nn_module
 
     state = [_hook_ids(nn_module._global_forward_hooks), _hook_ids(nn_module._global_forward_pre_hooks)]
     for i, m in enumerate(model.modules()):
+        state.append(_code_and_settings(m))
         if m._forward_hooks or m._forward_pre_hooks:
             hooks = (_hook_ids(m._forward_hooks), _hook_ids(m._forward_pre_hooks))
             if any(hooks):

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from packaging.version import Version
 
 import astrai_hf
 import astrai_hf.prefix_cache as prefix_cache_module
@@ -578,4 +580,150 @@ def test_a_cache_prefilled_for_another_model_on_a_shared_pool(tmp_path):
     finally:
         astrai_hf.unpatch(a)
         astrai_hf.unpatch(b)
+    _assert_pool_idle(pool)
+
+
+# ------------------------------------------------------------------ K/V that are no prefix for a later prompt
+@pytest.mark.parametrize("patched", [True, False])
+def test_a_forward_at_positions_of_its_own_fills_no_prefix(patched):
+    model = tiny_model("llama", max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=24), _tokens(25, seed=25)])
+    row1 = ids[1:, 15:]
+    ref = model.generate(row1, do_sample=False, max_new_tokens=4)
+    pool = _pool(model)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate() gives
+    cases = {
+        # a stock-style forward of a left-padded batch without position_ids: row 1's tokens sit at 15..39
+        "no position_ids": (dict(input_ids=ids, attention_mask=mask), 0),
+        "positions of the caller's choosing": (dict(input_ids=row1, position_ids=torch.arange(100, 125)[None]), 0),
+        "the positions generate() gives": (dict(input_ids=ids, attention_mask=mask, position_ids=positions), 24),
+    }
+    if not patched and Version(transformers.__version__) < Version("5.24"):
+        # before 5.24 the layers pass update() no position_ids, and an unpatched forward has no other way to
+        # tell the cache its positions; those cases are left out there
+        del cases["no position_ids"], cases["positions of the caller's choosing"]
+    for name, (inputs, hits) in cases.items():
+        pool.clear_prefix_cache()
+        if patched:
+            astrai_hf.patch(model, pool=pool)
+        try:
+            with PagedCache(pool, inputs["input_ids"], inputs.get("attention_mask"), model=model) as cache, \
+                    torch.no_grad():
+                model(**inputs, **{_kw(model): cache})
+        finally:
+            astrai_hf.unpatch(model)
+        out, hit = _hits(pool, lambda: _generate(model, pool, row1, torch.ones_like(row1), max_new_tokens=4))
+        assert hit == hits and torch.equal(out, ref), name
+        _assert_pool_idle(pool)
+
+
+def test_training_mode_dropout_runs_as_stock_and_fills_no_prefix():
+    model = tiny_model("llama", max_position_embeddings=2048, attention_dropout=0.3)
+    ids, mask = _batch([_tokens(30, seed=26), _tokens(18, seed=27)])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=4)
+    model.train()
+    torch.manual_seed(0)
+    ref_train = model.generate(ids, **kw)
+    model.eval()
+    ref_eval = model.generate(ids, **kw)
+    pool = _pool(model)
+    model.train()
+    try:
+        torch.manual_seed(0)
+        assert torch.equal(_generate(model, pool, ids, mask, max_new_tokens=4), ref_train)
+        assert pool.stats()["prefix_cache_pages"] == 0  # K/V under dropout are no prefix
+        model.eval()
+        _generate(model, pool, ids, mask, max_new_tokens=4)  # an eval-mode prefix
+        model.train()
+        torch.manual_seed(0)
+        out, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=4))
+        assert hit == 0 and torch.equal(out, ref_train)  # a training-mode call computes its prompt afresh
+    finally:
+        model.eval()
+    out, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=4))
+    assert hit > 0 and torch.equal(out, ref_eval)
+    _assert_pool_idle(pool)
+
+
+def _scale_mlp_instance(model):
+    for layer in model.model.layers:
+        layer.mlp.forward = (lambda orig: (lambda x: orig(x) * 0.5))(layer.mlp.forward)
+    return lambda: [layer.mlp.__dict__.pop("forward") for layer in model.model.layers]
+
+
+def _scale_mlp_class(model):
+    cls = type(model.model.layers[0].mlp)
+    orig = cls.forward
+    cls.forward = lambda self, x: orig(self, x) * 0.5
+    return lambda: setattr(cls, "forward", orig)
+
+
+def _swap_activation(model):
+    old = [layer.mlp.act_fn for layer in model.model.layers]
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.ReLU()
+    return lambda: [setattr(layer.mlp, "act_fn", o) for layer, o in zip(model.model.layers, old)]
+
+
+def _double_attention_scaling(model):
+    old = [layer.self_attn.scaling for layer in model.model.layers]
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= 2
+    return lambda: [setattr(layer.self_attn, "scaling", o) for layer, o in zip(model.model.layers, old)]
+
+
+@pytest.mark.parametrize("edit", [_scale_mlp_instance, _scale_mlp_class, _swap_activation, _double_attention_scaling])
+def test_an_edit_of_the_model_code_or_settings_drops_the_cached_prefixes(edit):
+    model = tiny_model("llama", max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=28)])
+    pool = _pool(model)
+    _generate(model, pool, ids, mask, max_new_tokens=3)
+    undo = edit(model)
+    try:
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+        out, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=3))
+    finally:
+        undo()
+    assert hit == 0 and torch.equal(out, ref)
+    out, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=3))  # the edit undone
+    assert hit == 0 and torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3))
+    _, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=3))
+    assert hit == 39  # no edit since: served
+
+
+def test_a_forward_on_the_cache_generate_returned_is_refused(llama):
+    ids, mask = _batch([_tokens(20, seed=29)])
+    pool = _pool(llama)
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        out = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+        returned = out.past_key_values
+        with pytest.raises(ValueError, match="holds no K/V to continue from"), torch.no_grad():
+            llama(out.sequences[:, -1:], attention_mask=torch.ones_like(out.sequences), **{_kw(llama): returned})
+        _assert_pool_idle(pool)
+        more = llama.generate(out.sequences, attention_mask=torch.ones_like(out.sequences), do_sample=False,
+                              max_new_tokens=3, **{_kw(llama): returned})  # the multi-turn recipe still works
+    finally:
+        astrai_hf.unpatch(llama)
+    ref = llama.generate(out.sequences, attention_mask=torch.ones_like(out.sequences), do_sample=False,
+                         max_new_tokens=3)
+    assert torch.equal(more, ref)
+    _assert_pool_idle(pool)
+
+
+def test_a_prefilled_cache_of_the_callers_with_prompt_lookup(llama):
+    ids = torch.cat([_tokens(12, seed=30), _tokens(12, seed=30), _tokens(6, seed=31)])[None]
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=6, prompt_lookup_num_tokens=3)
+    ref = llama.generate(ids, **kw)
+    pool = _pool(llama)
+    _generate(llama, pool, ids, mask, max_new_tokens=6)  # the prompt is cached now
+    astrai_hf.patch(llama, pool=pool)
+    try:
+        with PagedCache(pool, ids, mask) as cache:
+            assert cache.get_seq_length() > 0
+            out = llama.generate(ids, **kw, **{_kw(llama): cache})
+    finally:
+        astrai_hf.unpatch(llama)
+    assert torch.equal(out, ref)
     _assert_pool_idle(pool)
