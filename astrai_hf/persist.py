@@ -187,9 +187,14 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         if meta.get("version") != VERSION:
             raise ValueError(f"{path} has prefix cache version {meta.get('version')!r}; this release reads {VERSION}")
         saved = json.loads(meta["fingerprint"])
+        if "config" not in saved:
+            raise ValueError(
+                f"{path} was saved by an earlier release of astrai-hf, whose fingerprint of the model this release "
+                "cannot check (it has no digest of the config, and its weights digest leaves out the buffers); "
+                "compute the prefixes again and save a new file"
+            )
         mine = fingerprint(pool, model)
-        diff = [f"{k}: {'not in the file (saved by an earlier release)' if k not in saved else f'file {saved[k]!r}'} "
-                f"vs this pool/model {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
+        diff = [f"{k}: file {saved.get(k)!r} vs this pool/model {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
         if diff:
             raise ValueError(f"{path} was saved for a different model or pool; refusing to load it ({'; '.join(diff)})")
         index = _read_index(path, meta, pool.page_size)

@@ -335,9 +335,12 @@ class PagePool:
         if self.model is not model:
             self.bind_model(model)
             return
-        if self._weights_version is not None and not self._weights_version.matches(model):
+        if self._weights_version is not None and self._weights_version.matches(model):
+            return
+        if self._weights_version is not None:
             dropped = self.clear_prefix_cache()
-            logger.info("the model's weights changed: dropped %d cached prefix pages", dropped)
+            logger.info("the model's weights, hooks, adapters or module code changed: dropped %d cached prefix pages",
+                        dropped)
             from .persist import model_fingerprint
 
             self._model_fingerprint = model_fingerprint(model)
@@ -548,7 +551,7 @@ class _WeightsVersion:
       in-place change, an optimizer step or ``load_state_dict``), and each one's storage, held by weak reference (a
       new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``);
     - each module's code and settings: its class, a ``forward`` replaced on the class or the instance, a submodule
-      swapped for another, a scalar attribute changed (``scaling``);
+      swapped for another, a float attribute changed (``scaling``);
     - the forward hooks and pre-hooks on its modules and the global ones (activation steering, ablations, probes);
     - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales).
 
@@ -578,25 +581,23 @@ def _hook_ids(hooks: dict) -> tuple:
     return tuple(k for k, fn in hooks.items() if not getattr(fn, "__module__", "").startswith("transformers."))
 
 
-_SCALARS = (bool, int, float, str)
-
-
 def _code_and_settings(m: torch.nn.Module) -> tuple:
     """A module's code and settings: its class and the class's ``forward``, a ``forward`` set on the instance
-    (astrai-hf's own wrapper left out), and its public scalar attributes (``scaling``, ``head_dim``, ...;
-    ``training`` left out, train/eval alone does not change what is cached)."""
+    (astrai-hf's own wrapper left out), and its public float attributes (``scaling``, ``attention_scaling``,
+    ``variance_epsilon``, soft-caps). Flags and counters (bools, ints: ``gradient_checkpointing``, a flag a layer
+    sets on its first forward, a call counter) are left out: they change between calls without changing what the
+    model computes, and each change would empty the prefix cache."""
     cls = type(m)
     own = m.__dict__.get("forward")
     if getattr(own, "astrai_hf_wrapper", False):
         own = None
-    settings = tuple((k, v) for k, v in m.__dict__.items()
-                     if type(v) in _SCALARS and k != "training" and not k.startswith("_"))
+    settings = tuple((k, v) for k, v in m.__dict__.items() if type(v) is float and not k.startswith("_"))
     return cls, getattr(cls, "forward", None), own, settings
 
 
 def _behaviour(model: torch.nn.Module) -> tuple:
     """What changes a model's outputs besides its tensors: each module's code and settings (its class, a
-    ``forward`` replaced on the class or the instance, a submodule swapped, a scalar attribute changed), the ids
+    ``forward`` replaced on the class or the instance, a submodule swapped, a float attribute changed), the ids
     of the forward hooks on its modules and of the global module hooks (transformers' own left out), and each
     peft tuner layer's adapter state."""
     from torch.nn.modules import module as nn_module

@@ -454,7 +454,7 @@ _BROKEN = {
     "an entry that is not [parent, tokens]": (lambda t, m: m["index"].__setitem__(0, [-1, "abc"]),
                                               "is not \\[parent, \\[token ids\\]\\]"),
     "a fingerprint from before the config was in it": (lambda t, m: m["fingerprint"].pop("config"),
-                                                       "config: not in the file"),
+                                                       "saved by an earlier release"),
 }
 
 
@@ -727,3 +727,17 @@ def test_a_prefilled_cache_of_the_callers_with_prompt_lookup(llama):
         astrai_hf.unpatch(llama)
     assert torch.equal(out, ref)
     _assert_pool_idle(pool)
+
+
+def test_flags_and_counters_on_modules_leave_the_cached_prefixes():
+    model = tiny_model("llama", max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=32)])
+    pool = _pool(model)
+    _generate(model, pool, ids, mask, max_new_tokens=3)
+    model.calls = 1  # a counter of the caller's
+    model.model.layers[0].mlp.compute_type_is_set = True  # a flag a layer sets on its first forward
+    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_disable()
+    out, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=3))
+    assert hit == 39
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3))
