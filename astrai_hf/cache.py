@@ -574,7 +574,7 @@ class PagedCache(Cache):
         start = step.logical_len - q
         expected = torch.arange(start, start + q, device=dev)[None, :] - pads[:, None]  # each row's own positions
         ok = ((position_ids == expected) | (expected < 0)).all()  # padding columns may hold anything
-        rows.reusable = ok if rows.reusable is True else rows.reusable & ok
+        rows.reusable = ok if rows.reusable is True else rows.reusable & ok.to(rows.reusable.device)
 
     def _find_padding(self, B, q, position_ids, attention_mask) -> list[int]:
         """Left-padding columns per row, from the best source available on the first step."""
