@@ -617,7 +617,9 @@ class PagedCache(Cache):
         if step is None or layer_idx in self._step_layers:
             B, _, q, _ = key_states.shape
             step = self.plan_step(B, q, position_ids=position_ids, paged=False)
-        if first and position_ids is not None:
+        if first and position_ids is not None and isinstance(step, StepMetadata):
+            # (a decode graph's step takes its positions from the runner's workspace, filled from the forward's
+            # position_ids, which the patched forward checks itself; nothing may run on the host inside a capture)
             self.step_saw_positions = True
             if not self.made_by_generate:
                 self._note_positions(position_ids, step, key_states.shape[0], key_states.shape[2])

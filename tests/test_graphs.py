@@ -171,3 +171,26 @@ def test_capture_graphs_refuses_an_unpatched_or_eager_model():
     with astrai_hf.patched(model, max_tokens=256, cuda_graphs=False):
         with pytest.raises(ValueError, match="cuda_graphs=False"):
             astrai_hf.capture_graphs(model)
+
+
+@pytest.mark.parametrize("batch", [3, 4])  # padded up to its bucket, and filling it
+def test_a_cache_of_the_callers_through_the_runner_fills_and_serves_the_prefix_cache(batch):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 7, 9, 5][:batch], seed=3)
+    eager, _ = _generate(model, ids, mask, graphs=False, do_sample=False, max_new_tokens=5)
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=4)
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        hits = []
+        for _ in range(2):
+            before = pool.stats()["prefix_hit_tokens"]
+            with astrai_hf.PagedCache(pool, ids, mask) as cache:
+                out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5,
+                                     **{astrai_hf.cache_kwarg(model): cache})
+            assert torch.equal(out, eager)
+            hits.append(pool.stats()["prefix_hit_tokens"] - before)
+        assert _runner(model).replays > 0
+    finally:
+        astrai_hf.unpatch(model)
+    assert hits[0] == 0 and hits[1] > 0
+    assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
