@@ -182,6 +182,7 @@ class PagedCache(Cache):
         self.prefix_hit_tokens: list[int] = []
         self.checked_model: int | None = None  # id() of the model a patched forward last checked this cache for
         self.step_saw_positions = False
+        self._pads_on_device: tuple | None = None  # ((num_pad, B, device), [B] tensor) for _note_positions
         if input_ids is None:
             return
         if input_ids.dim() != 2:
@@ -570,7 +571,11 @@ class PagedCache(Cache):
                 or self._num_pad is None or B % len(self._num_pad)):
             return
         dev = position_ids.device
-        pads = torch.tensor(self._num_pad, device=dev).repeat_interleave(B // len(self._num_pad))
+        key = (tuple(self._num_pad), B, dev)
+        if self._pads_on_device is None or self._pads_on_device[0] != key:  # a host-to-device copy once, not per step
+            pads = torch.tensor(self._num_pad, device=dev).repeat_interleave(B // len(self._num_pad))
+            self._pads_on_device = (key, pads)
+        pads = self._pads_on_device[1]
         start = step.logical_len - q
         expected = torch.arange(start, start + q, device=dev)[None, :] - pads[:, None]  # each row's own positions
         ok = ((position_ids == expected) | (expected < 0)).all()  # padding columns may hold anything

@@ -139,9 +139,10 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     index = [[position.get(id(n.parent), -1), list(n.tokens)] for n in nodes]
     ps = pool.page_size
     tensors = {}
+    slots_on = _slots_by_device([n.page for n in nodes], ps)
     for layer in range(pool.num_layers):
         k, v = pool.storage.k[layer], pool.storage.v[layer]
-        slots = torch.tensor([n.page * ps + i for n in nodes for i in range(ps)], dtype=torch.long, device=k.device)
+        slots = slots_on(k.device)
         # [pages, page_size, H_kv, D] in the file, gathered head by head from the head-major pool
         tensors[f"k.{layer}"] = gather_kv(k, slots, len(nodes), ps).transpose(1, 2).cpu().contiguous()
         tensors[f"v.{layer}"] = gather_kv(v, slots, len(nodes), ps).transpose(1, 2).cpu().contiguous()
@@ -223,19 +224,32 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
                 placed.append((i, page))
             if placed:
                 src = torch.tensor([i for i, _ in placed], dtype=torch.long)
+                slots_on = _slots_by_device([p for _, p in placed], ps)
                 for layer in range(pool.num_layers):
                     for name, store in (("k", pool.storage.k[layer]), ("v", pool.storage.v[layer])):
                         pages = f.get_tensor(f"{name}.{layer}").index_select(0, src)
-                        slots = torch.tensor(
-                            [p * ps + j for _, p in placed for j in range(ps)], dtype=torch.long, device=store.device
-                        )
-                        store.index_copy_(0, slots, pages.reshape(-1, *store.shape[1:]).to(store.device, store.dtype))
+                        store.index_copy_(0, slots_on(store.device),
+                                          pages.reshape(-1, *store.shape[1:]).to(store.device, store.dtype))
         except BaseException:
             # nothing half-loaded stays indexed: a page whose K/V were not all written would serve wrong prefixes
             for i, _ in reversed(placed):  # children before parents
                 cache.remove(nodes[i])
             raise
     return len(placed)
+
+
+def _slots_by_device(pages: list[int], page_size: int):
+    """A function of a device giving the slots of ``pages`` (every slot of each, page after page) as an int64
+    tensor there, built once per device (a pool under a ``device_map`` spans several)."""
+    slots = [p * page_size + j for p in pages for j in range(page_size)]
+    made: dict[torch.device, torch.Tensor] = {}
+
+    def on(device: torch.device) -> torch.Tensor:
+        if device not in made:
+            made[device] = torch.tensor(slots, dtype=torch.long, device=device)
+        return made[device]
+
+    return on
 
 
 def _read_index(path: Path, meta: dict, page_size: int) -> list[tuple[int, tuple[int, ...]]]:
