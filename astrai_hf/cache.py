@@ -434,10 +434,7 @@ class PagedCache(Cache):
             rows.known = [0] * Bp
             rows.reserved = [[] for _ in range(Bp)]
         alloc = pool.allocator
-        cow = [
-            seq[r] > prev[r] and prev[r] % ps != 0 and alloc.ref_count(rows.pages[r][prev[r] // ps]) > 1
-            for r in range(Bp)
-        ]
+        cow = self._copies_on_write(prev, seq)
         grows = [max(0, -(-seq[r] // ps) - len(rows.pages[r])) for r in range(Bp)]
 
         def to_allocate() -> int:  # pages this step takes from the pool (beyond what its rows reserved)
@@ -445,7 +442,16 @@ class PagedCache(Cache):
 
         needed = to_allocate()
         try:
-            pool.reserve(needed)
+            try:
+                pool.reserve(needed)
+            except CacheFullError:
+                # no free page to copy a partly used prefix page into: take such pages over from the prefix cache
+                # (a row then appends in place), which leaves the step needing what it would on an empty cache
+                if not self._take_over_cow_pages(prev, seq):
+                    raise
+                cow = self._copies_on_write(prev, seq)
+                needed = to_allocate()
+                pool.reserve(needed)
             if to_allocate() != needed:  # the pool took this cache's reserved pages back to make room
                 needed = to_allocate()
                 pool.reserve(needed)
@@ -465,7 +471,7 @@ class PagedCache(Cache):
             if s0 == p0:
                 continue
             first = p0
-            if cow[r] and alloc.ref_count(pages[p0 // ps]) > 1:
+            if p0 % ps and alloc.ref_count(pages[p0 // ps]) > 1:  # copy-on-write (counted in `cow` above)
                 old = pages[p0 // ps]
                 (new,) = alloc.alloc(1)
                 try:
@@ -532,6 +538,43 @@ class PagedCache(Cache):
             group=group,
             row_starts=rows.contiguous_starts(),
         )
+
+    def _cow_pages(self, prev: list[int], seq: list[int]) -> dict[int, list[int]]:
+        """``{page: rows}``: the partly used pages this step's rows append into, shared (with the prefix cache,
+        another row or another cache), each with the rows that append into it, in order."""
+        rows, ps, alloc = self._rows, self.pool.page_size, self.pool.allocator
+        shared: dict[int, list[int]] = {}
+        for r in range(len(rows.req_rows)):
+            if seq[r] > prev[r] and prev[r] % ps:
+                page = rows.pages[r][prev[r] // ps]
+                if alloc.ref_count(page) > 1:
+                    shared.setdefault(page, []).append(r)
+        return shared
+
+    def _copies_on_write(self, prev: list[int], seq: list[int]) -> list[bool]:
+        """Per row: whether it copies its partly used page before appending. Rows that share a page copy it one
+        by one; when they hold every reference to it, the last one appends in place."""
+        cow = [False] * len(self._rows.req_rows)
+        for page, holders in self._cow_pages(prev, seq).items():
+            in_place = self.pool.allocator.ref_count(page) == len(holders)
+            for r in holders[:-1] if in_place else holders:
+                cow[r] = True
+        return cow
+
+    def _take_over_cow_pages(self, prev: list[int], seq: list[int]) -> bool:
+        """Unindex from the prefix cache the partly used pages that only this step's rows and the cache hold (and
+        that have no cached continuation), so that the last row appends into each in place. Returns whether any
+        page was taken over."""
+        cache, alloc = self.pool.prefix_cache, self.pool.allocator
+        if cache is None:
+            return False
+        taken = False
+        for page, holders in self._cow_pages(prev, seq).items():
+            if alloc.ref_count(page) == len(holders) + 1 and cache.give_up_leaf(page):
+                taken = True
+        if taken:
+            logger.debug("KV pool full: took partly used prefix pages over from the prefix cache instead of copying")
+        return taken
 
     def _reserve_runs(self, grows: list[int], seq: list[int], needed: int, group: int) -> None:
         """Give each row that holds no page yet one run of consecutive pages: what this step needs, plus room for

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-tokens", type=int, default=None, help="token capacity of each model's pool")
     run.add_argument("--page-size", type=int, default=None, help="tokens per page")
     run.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
-    run.add_argument("--report", action="store_true", help="print each patched model's pool statistics at the end")
+    run.add_argument("--report", action="store_true",
+                     help="print the pool statistics of each patched model still alive when the script ends")
     run.add_argument("--quiet", action="store_true", help="do not print a line to stderr when a model is patched")
     run.add_argument("script", help="the script, run as __main__")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -101,8 +102,9 @@ def _run_script(args) -> int:
     autopatch.install()
     saved_argv = sys.argv
     sys.argv = [args.script, *args.args]
+    namespace = None  # the script's globals, kept for the report: a model the script holds there is still alive
     try:
-        runpy.run_path(args.script, run_name="__main__")
+        namespace = runpy.run_path(args.script, run_name="__main__")
     finally:
         sys.argv = saved_argv
         if args.report:
@@ -115,6 +117,7 @@ def _run_script(args) -> int:
         autopatch.uninstall()
         if handler is not None:
             autopatch.logger.removeHandler(handler)
+        del namespace
     return 0
 
 

@@ -18,6 +18,7 @@ Without CUDA (tests), the same runner works as a stand-in: "capture" runs the fo
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -138,7 +139,7 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model, forward, pool, *, max_batch: int | None = None, use_cuda_graphs: bool | None = None):
-        self.model, self.forward, self.pool = model, forward, pool
+        self._model, self.forward, self.pool = weakref.ref(model), forward, pool  # (the model holds the runner)
         device = pool.config.layer_devices[0]
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and device.type != "cuda":
@@ -153,6 +154,11 @@ class DecodeGraphRunner:
         self.replays = 0  # decode steps run through the runner
         self.captured: list[int] = []  # buckets captured, in order
         self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (warm-up included)
+
+    @property
+    def model(self):
+        """The patched model (None once it is gone)."""
+        return self._model()
 
     def close(self) -> None:
         """Drop the graphs and the workspace."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
 import logging
 import sys
+import textwrap
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -17,6 +20,7 @@ from . import attention, packing
 from .cache import PagedCache, cache_kwarg, left_padding
 from .config import KVSpec, as_count, as_flag
 from .distributed import agree
+from .errors import CacheFullError
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules, unsupported_model
 
@@ -46,10 +50,17 @@ class PatchState:
     # the sizing patch() built the default pool with (None: the caller gave the pool); such a pool is rebuilt when
     # the model is moved to another dtype or device
     own_pool_kwargs: dict | None = None
-    modules: list = field(default_factory=list)  # the attention modules
-    forward: object = None  # the model's own forward, which the patched one wraps
+    module_refs: list = field(default_factory=list)  # weak references to the attention modules
+    forward: object = None  # the model's own forward, which the patched one wraps (holding the model weakly)
     # one paged generate() / forward at a time per model: calls from several threads run one after another
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    # Nothing here holds the model or its modules strongly: the model and its modules hold this state, and a
+    # cycle through them would be freed only by the garbage collector, keeping the pool's K/V memory until then.
+    @property
+    def modules(self) -> list:
+        """The attention modules."""
+        return [m for m in (ref() for ref in self.module_refs) if m is not None]
 
 
 def patch(
@@ -167,7 +178,7 @@ def patch(
         rope_by_length=rope_depends_on_length(model.config),
         embeds_token_types=embeds_token_types(model),
         own_pool_kwargs=own_pool_kwargs,
-        modules=list(modules),
+        module_refs=[weakref.ref(m) for m in modules],
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
@@ -207,12 +218,41 @@ def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
     state.family_undo = patches.apply(model, modules)
     for m in modules:
         setattr(m, _STATE_ATTR, state)
-        m.__reduce_ex__ = functools.partial(_reduce_unpatched, m, None)
+        m.__reduce_ex__ = _OnInstance(_reduce_unpatched, m, None)
     model.forward = _wrap_forward(model, model.forward, state)
     model.generate = _wrap_generate(model, model.generate, state)
-    model.__deepcopy__ = functools.partial(_deepcopy_patched, model, state)
-    model.__reduce_ex__ = functools.partial(_reduce_unpatched, model, state)
+    model.__deepcopy__ = _OnInstance(_deepcopy_patched, model, state)
+    model.__reduce_ex__ = _OnInstance(_reduce_unpatched, model, state)
     setattr(model, _STATE_ATTR, state)
+
+
+class _OnInstance:
+    """``fn(obj, *extra, *args)`` as a callable to set on ``obj`` itself, holding ``obj`` by a weak reference: a
+    strong one would make the cycle obj -> its ``__dict__`` -> the callable -> obj, which only the garbage collector
+    frees (and with a patched model, the pool's K/V memory with it)."""
+
+    __slots__ = ("fn", "ref", "extra")
+
+    def __init__(self, fn, obj, *extra):
+        self.fn, self.ref, self.extra = fn, weakref.ref(obj), extra
+
+    def __call__(self, *args):
+        return self.fn(self.ref(), *self.extra, *args)
+
+
+def _weakly_bound(method, owner):
+    """``method`` as a function reaching ``owner`` through a weak reference when it is a method bound to
+    ``owner`` (else ``method`` itself); its signature is the bound method's (``generate()`` reads the forward's)."""
+    if getattr(method, "__self__", None) is not owner:
+        return method
+    func, ref = method.__func__, weakref.ref(owner)
+
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        return func(ref(), *args, **kwargs)
+
+    call.__signature__ = inspect.signature(method)
+    return call
 
 
 def _reduce_unpatched(obj: torch.nn.Module, state: PatchState | None, protocol: int):
@@ -222,7 +262,7 @@ def _reduce_unpatched(obj: torch.nn.Module, state: PatchState | None, protocol: 
     again. ``copy.copy`` gets the instance as it is: a shallow copy shares the patched modules, so it is patched
     with them."""
     reduced = object.__reduce_ex__(obj, protocol)
-    caller = sys._getframe(1)
+    caller = sys._getframe(2)  # (1 is _OnInstance.__call__)
     if caller.f_globals.get("__name__") == "copy" and caller.f_code.co_name == "copy":
         return reduced
     if len(reduced) > 2 and isinstance(reduced[2], dict):
@@ -243,7 +283,7 @@ def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
             model.__dict__.pop(name, None)
     for m in model.modules():
         m.__dict__.pop(_STATE_ATTR, None)
-        if isinstance(m.__dict__.get("__reduce_ex__"), functools.partial):
+        if isinstance(m.__dict__.get("__reduce_ex__"), _OnInstance):
             m.__dict__.pop("__reduce_ex__")
     for undo in reversed(state.family_undo):
         undo()
@@ -337,6 +377,14 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
     for m in modules:
         if isinstance(getattr(m, "sinks", None), torch.Tensor):
             return f"{type(m).__name__} uses attention sinks (a learned extra logit per head)"
+        if getattr(m, "is_causal", True) is False:
+            return (f"{type(m).__name__} attends both ways (is_causal=False: an encoder's self-attention; load the "
+                    "checkpoint with is_decoder=True in its config for causal generation)")
+        rewritten = kv_rewritten_after_update(type(m))
+        if rewritten is not None:
+            return (f"{type(m).__name__} changes K/V between storing them in the cache and attending to them "
+                    f"(`{rewritten}`), and paged attention reads the stored K/V; a PagedCache without patch() "
+                    "serves it (stock attention over K/V gathered from the pool)")
         shared = bool(getattr(m, "is_kv_shared_layer", False))
         expected = getattr(m, "kv_shared_layer_index", None)  # transformers < 5.24 names the source layer
         source = sources[m.layer_idx] if sources else m.layer_idx
@@ -347,6 +395,39 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
             return (f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing) in a way its config's "
                     "num_kv_shared_layers does not describe")
     return None
+
+
+@functools.cache
+def kv_rewritten_after_update(cls: type) -> str | None:
+    """The first statement of ``cls.forward`` that reassigns the key or value handed to the attention function
+    after ``cache.update()`` stored them (DiffLlama splits V, JetMoe tiles K/V heads), or None; None too when the
+    source cannot be read. Read from the source: the first ``<cache>.update(k, v, layer_idx, ...)`` call, each
+    later ``attention_interface(module, q, k, v, ...)`` call, and any assignment to that ``k`` or ``v`` between
+    the two (other than the one taking ``update()``'s result)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    stored = [n.end_lineno for n in ast.walk(tree) if _is_update(n)]
+    if not stored:
+        return None
+    for call in ast.walk(tree):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "attention_interface"):
+            continue
+        kv = {a.id for a in call.args[2:4] if isinstance(a, ast.Name)}
+        for node in ast.walk(tree):
+            if (isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and min(stored) < node.lineno < call.lineno
+                    and not any(_is_update(n) for n in ast.walk(node))):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)} & kv:
+                    return ast.unparse(node).splitlines()[0][:100]
+    return None
+
+
+def _is_update(node: ast.AST) -> bool:
+    """A ``<cache>.update(key, value, layer_idx, ...)`` call."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
+            and len(node.args) >= 3)
 
 
 def _check_chunked_attention(model: torch.nn.Module, pool: PagePool) -> None:
@@ -418,15 +499,17 @@ def _find_cache(kwargs: dict):
     return None
 
 
-def _wrap_forward(model, forward, state: PatchState):
+def _wrap_forward(owner, forward, state: PatchState):
     # functools.wraps keeps the signature visible: generate() inspects it to decide whether to build
-    # position_ids and logits_to_keep.
+    # position_ids and logits_to_keep. The wrapper holds the model weakly (see PatchState).
+    forward, model_ref = _weakly_bound(forward, owner), weakref.ref(owner)
+
     @functools.wraps(forward)
     def paged_forward(*args, **kwargs):
         with state.lock:
-            return _paged_forward(*args, **kwargs)
+            return _paged_forward(model_ref(), *args, **kwargs)
 
-    def _paged_forward(*args, **kwargs):
+    def _paged_forward(model, *args, **kwargs):
         cache = _find_cache(kwargs)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
@@ -610,13 +693,15 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
             cache.release()
 
 
-def _wrap_generate(model, generate, state: PatchState):
+def _wrap_generate(owner, generate, state: PatchState):
+    generate, model_ref = _weakly_bound(generate, owner), weakref.ref(owner)
+
     @functools.wraps(generate)
     def paged_generate(*args, **kwargs):
         with state.lock:
-            return _paged_generate(*args, **kwargs)
+            return _paged_generate(model_ref(), *args, **kwargs)
 
-    def _paged_generate(*args, **kwargs):
+    def _paged_generate(model, *args, **kwargs):
         passed = kwargs.get("generation_config")
         if passed is None and len(args) > 1:  # generate(inputs, generation_config, ...)
             passed = args[1]
@@ -628,10 +713,11 @@ def _wrap_generate(model, generate, state: PatchState):
             # what the earlier call computed
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
-        if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config)
-                                              or (model.training and dropout_active(model))):
-            # candidate decoding crops and re-verifies from the prompt on, and a forward under dropout computes the
-            # prompt afresh: a cache of the caller's that the prefix cache pre-filled starts empty instead
+        if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
+                kwargs, config) or (model.training and dropout_active(model))):
+            # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
+            # the whole prompt, and a forward under dropout computes the prompt afresh: a cache of the caller's that
+            # the prefix cache pre-filled starts empty instead
             given.forget_prefix_hits()
             given.verifies_candidates = _candidate_decoding(kwargs, config)
         if given is not None or kwargs.get("use_cache", config.use_cache) is False:
@@ -653,12 +739,12 @@ def _wrap_generate(model, generate, state: PatchState):
             logger.debug("ignoring generation_config.cache_implementation=%r: generating with a PagedCache", default)
             model.generation_config.cache_implementation = None
             try:
-                return _run_paged(args, kwargs, config)
+                return _run_paged(model, args, kwargs, config)
             finally:
                 model.generation_config.cache_implementation = default
-        return _run_paged(args, kwargs, config)
+        return _run_paged(model, args, kwargs, config)
 
-    def _run_paged(args, kwargs, config):
+    def _run_paged(model, args, kwargs, config):
         if (state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs)
                 and not state.pool.fits_placement(state.modules)):
             _rebuild_pool(model, state)
@@ -758,7 +844,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
             attention_mask = _implied_mask(input_ids, kwargs, config)
         elif attention_mask.shape != input_ids.shape:
             attention_mask = None  # only the new columns were passed; nothing to match
-        new_tokens = _check_length(input_ids, attention_mask, kwargs, config, pool)
+        new_tokens = _check_length(input_ids, attention_mask, kwargs, config, pool, model)
         if attention_mask is None:
             input_ids = None
     else:
@@ -781,6 +867,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # prefix what a training-mode forward computes
     dropout = model.training and dropout_active(model)
     plain = not (candidates or custom_inputs or autocast or rope_by_length or dropout
+                 or _prefill_from_first_column(kwargs, config)
                  or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
@@ -790,6 +877,29 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     cache.verifies_candidates = candidates
     cache.made_by_generate = True
     return cache
+
+
+def _prefill_from_first_column(kwargs: dict, config) -> bool:
+    """``generate(prefill_chunk_size=...)`` on a transformers release whose chunked prefill feeds the prompt from
+    its first column whatever the cache holds (5.17 does; 5.24 starts after the cached tokens): K/V pre-filled from
+    the prefix cache would be stored a second time after themselves."""
+    return _get(kwargs, config, "prefill_chunk_size") is not None and not _chunked_prefill_resumes()
+
+
+@functools.cache
+def _chunked_prefill_resumes() -> bool:
+    """Whether ``generate()``'s chunked prefill starts after the tokens its cache already holds. Read from the
+    source of ``GenerationMixin._prefill`` (its chunked branch asks the cache for its length); False when it cannot
+    be read."""
+    from transformers.generation.utils import GenerationMixin
+
+    try:
+        source = inspect.getsource(GenerationMixin._prefill)
+    except (AttributeError, OSError, TypeError):
+        return False
+    chunked = source.find("prefill_chunk_size")
+    chunked = source.find("Chunked prefill") if "Chunked prefill" in source else chunked
+    return chunked >= 0 and "get_seq_length" in source[chunked:]
 
 
 def _candidate_decoding(kwargs: dict, config) -> bool:
@@ -837,9 +947,11 @@ def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor
     return (~padded).to(input_ids.dtype)
 
 
-def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> int:
-    """Raise ValueError when the prompt plus the new tokens overflow ``pool.max_seq_len``; returns the number of
-    new tokens ``generate()`` may produce."""
+def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, model=None) -> int:
+    """Raise ValueError when the prompt plus the new tokens overflow ``pool.max_seq_len``, and CacheFullError when
+    the longest prompt alone is longer than the whole pool; returns the number of new tokens ``generate()`` may
+    produce. With neither ``max_new_tokens`` nor ``max_length`` given, as
+    ``generate()`` does: 20 new tokens after the padded prompt, capped at the model's ``max_position_embeddings``."""
     pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
     prompt_len = input_ids.shape[1] - min(pads)
     max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
@@ -851,11 +963,19 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool) -> 
             from transformers import GenerationConfig
 
             defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
-            max_length = defaults.get("max_length") or 20
+            max_length = (defaults.get("max_length") or 20) + input_ids.shape[1]
+            limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            if isinstance(limit, int):
+                max_length = min(max_length, limit)
         total = max_length - min(pads)
     if total > pool.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "
             f"max_seq_len={pool.max_seq_len}; build a larger PagePool or lower max_new_tokens"
         )
+    capacity = pool.allocator.num_usable * pool.page_size
+    if prompt_len > capacity:  # certain to fail: refused before any forward
+        evictable = pool.prefix_cache.num_evictable if pool.prefix_cache is not None else 0
+        raise CacheFullError(-(-prompt_len // pool.page_size), pool.allocator.num_free, evictable,
+                             detail=f"a prompt of {prompt_len} tokens is longer than the whole pool ({capacity} tokens)")
     return max(0, int(total) - prompt_len)

@@ -116,6 +116,7 @@ class PagePool:
         self._model_ref = None
         self._model_fingerprint: str | None = None
         self._weights_version: _WeightsVersion | None = None
+        self._fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (version, digest)
         # the page holders of live caches that hold reserved pages (room for tokens not yet written)
         self._reservations: weakref.WeakSet = weakref.WeakSet()
 
@@ -216,7 +217,8 @@ class PagePool:
             - ``num_free_pages``: pages nobody holds.
             - ``num_used_pages``: pages held by live caches (0 after every ``generate()`` call returns).
             - ``num_cached_pages``: pages held only by the prefix cache: reusable, and evicted (least recently used
-              first) when an allocation needs room.
+              first) when an allocation needs room. Eviction takes leaves: a page whose cached continuation a live
+              cache still holds (a ``copy.deepcopy`` of a cache, say) waits until that cache lets go.
             - ``prefix_cache_pages``: pages the prefix cache indexes, including ones a live cache also holds.
             - ``prefix_query_tokens``: prompt tokens looked up in the prefix cache so far.
             - ``prefix_hit_tokens``: of those, tokens whose K/V was reused instead of computed.
@@ -228,7 +230,7 @@ class PagePool:
               ``kv_bytes_total``. Under tensor parallelism these are this rank's bytes (its share of the heads).
             - ``page_size``, ``num_reqs_used`` (request rows held), ``max_reqs``.
         """
-        cached = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        cached = self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0
         used = self.allocator.num_used - cached
         per_page = self.config.bytes_per_page
         return {
@@ -300,7 +302,6 @@ class PagePool:
         current = self._model_ref() if self._model_ref is not None else None
         if current is model:
             return
-        from .persist import model_fingerprint
 
         ranks = rank_group(attention_modules(model))
         if ranks is not None:
@@ -314,7 +315,7 @@ class PagePool:
             ranks.check_equal("the PagePool", geometry, "every rank must build its pool with the same settings")
         self.ranks = ranks
 
-        digest = model_fingerprint(model)
+        digest = self._fingerprint(model)
         if self._model_fingerprint is not None and digest != self._model_fingerprint:
             dropped = self.clear_prefix_cache()
             logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
@@ -341,10 +342,19 @@ class PagePool:
             dropped = self.clear_prefix_cache()
             logger.info("the model's weights, hooks, adapters or module code changed: dropped %d cached prefix pages",
                         dropped)
-            from .persist import model_fingerprint
-
-            self._model_fingerprint = model_fingerprint(model)
+            self._model_fingerprint = self._fingerprint(model)
         self._weights_version = _WeightsVersion(model)
+
+    def _fingerprint(self, model: torch.nn.Module) -> str:
+        """:func:`~astrai_hf.persist.model_fingerprint` of ``model``; its weights digest (one pass over the
+        weights) is computed again only when they changed since the last time, so two models taking turns on one
+        pool (a model and its assistant) pay it once each."""
+        from .persist import config_fingerprint, weights_fingerprint
+
+        memo = self._fingerprints.get(model)
+        if memo is None or not memo[0].matches(model):
+            memo = self._fingerprints[model] = (_WeightsVersion(model), weights_fingerprint(model))
+        return f"{memo[1]}.{config_fingerprint(model)}"
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -441,6 +451,9 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
                     if getattr(m, "is_cross_attention", False) is True or "Cross" in type(m).__name__})
     if cross or any(hasattr(m, "encoder_attn") for m in model.modules()):
         return f"its layers have cross-attention ({', '.join(cross) or 'encoder_attn'})"
+    varying = _per_layer_geometry(text)
+    if varying is not None:
+        return varying
     supports_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
     if supports_cache is not None and not supports_cache():
         return "it keeps a cache class of its own instead of transformers' Cache"
@@ -454,8 +467,30 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
                 "state that is not a K/V cache")
     v_dim = getattr(text, "v_head_dim", None)
     k_dim = getattr(text, "qk_head_dim", None) or getattr(text, "head_dim", None)
-    if getattr(text, "kv_lora_rank", None) is not None or (v_dim is not None and k_dim is not None and v_dim != k_dim):
-        return f"K and V have different head sizes ({k_dim} and {v_dim}: multi-head latent attention)"
+    rank = getattr(text, "kv_lora_rank", None)
+    if rank is not None:
+        return f"it compresses K/V into a latent vector (kv_lora_rank={rank}: multi-head latent attention)"
+    if v_dim is not None and k_dim is not None and v_dim != k_dim:
+        return f"K and V have different head sizes ({k_dim} and {v_dim})"
+    return None
+
+
+_GEOMETRY_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "qk_head_dim", "v_head_dim",
+                    "kv_lora_rank")
+
+
+def _per_layer_geometry(text) -> str | None:
+    """Why the layers of ``text`` (a text config) cannot share one pool geometry, or None: a per-layer config
+    (transformers' heterogeneous configs, Gemma 4 with ``global_head_dim != head_dim``) refuses a global read of a
+    field that differs between layers."""
+    for name in _GEOMETRY_FIELDS:
+        try:
+            getattr(text, name, None)
+        except Exception as e:
+            if "per-layer" not in str(e) and "PerLayer" not in type(e).__name__:
+                raise
+            return (f"its layers differ in {name} (a per-layer config: {type(e).__name__}); a pool stores one K/V "
+                    "geometry for all layers")
     return None
 
 
@@ -510,9 +545,14 @@ def _resolve_devices(device, num_layers: int) -> tuple[torch.device, ...]:
 
 def _as_device(device) -> torch.device:
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a torch device") from e
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"device {str(device)!r}: this process sees {count} CUDA devices")
+    return device
 
 
 def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction) -> int:
@@ -533,7 +573,11 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
         max_tokens = DEFAULT_MAX_TOKENS
     if max_tokens < page_size:
         raise ValueError(f"max_tokens={max_tokens} is smaller than one page (page_size={page_size})")
-    return max_tokens // page_size
+    pages = max_tokens // page_size
+    if (pages + 1) * page_size > 2**31 - 1:  # the req_to_token table holds slots (the trash page's too) as int32
+        raise ValueError(f"max_tokens={max_tokens} makes {(pages + 1) * page_size} token slots, more than the "
+                         f"req_to_token table's int32 entries address ({2**31 - 1})")
+    return pages
 
 
 def _free_bytes(device: torch.device) -> int:

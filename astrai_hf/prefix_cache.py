@@ -69,9 +69,20 @@ class PrefixCache:
         return page in self._by_page
 
     @property
-    def num_evictable(self) -> int:
-        """Pages held by the cache alone: they can be evicted (tail first) to make room."""
+    def num_cached_only(self) -> int:
+        """Pages held by the cache alone (no live row holds them)."""
         return sum(self.allocator.ref_count(p) == 1 for p in self._by_page)
+
+    @property
+    def num_evictable(self) -> int:
+        """Pages :meth:`evict` can free: held by the cache alone, and so is every cached page below them (eviction
+        takes leaves, so a page whose cached continuation a live row still holds stays until that row lets go)."""
+        ref = self.allocator.ref_count
+        evictable: set[int] = set()  # id() of evictable nodes
+        for node in reversed(list(self.nodes())):  # children before their parents
+            if ref(node.page) == 1 and all(id(c) in evictable for c in node.children):
+                evictable.add(id(node))
+        return len(evictable)
 
     def nodes(self) -> Iterator[_Node]:
         """Every node, parents before children."""
@@ -226,6 +237,15 @@ class PrefixCache:
         if freed:
             logger.debug("prefix cache: evicted %d pages (%d wanted)", freed, num_pages)
         return freed
+
+    def give_up_leaf(self, page: int) -> bool:
+        """Unindex ``page`` if the cache holds it as a leaf, dropping the cache's reference: a row that holds the
+        page's other references can then append into it in place instead of copying it. Returns whether it did."""
+        node = self._by_page.get(page)
+        if node is None or node.children:
+            return False
+        self._remove(node)
+        return True
 
     def remove(self, node: _Node) -> None:
         """Unindex ``node``, which must have no children, and drop the cache's reference on its page."""

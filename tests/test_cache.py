@@ -137,6 +137,45 @@ def test_prompt_longer_than_max_seq_len_fails_before_any_forward(llama, monkeypa
         PagedCache(pool, torch.ones(1, 13, dtype=torch.long))
 
 
+def test_the_default_length_is_checked_before_any_forward(llama, monkeypatch):
+    # neither max_new_tokens nor max_length: generate() makes 20 new tokens after the padded prompt
+    config = llama.generation_config
+    saved = config.max_length, config.max_new_tokens
+    config.max_length = config.max_new_tokens = None
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_seq_len=32)
+    ids, mask = left_padded_batch([16])
+    astrai_hf.patch(llama, pool=pool)
+    calls = []
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(type(llama), "forward", lambda *a, **k: calls.append(1))
+            with pytest.raises(ValueError, match="reaches 36 tokens, more than the pool's max_seq_len=32"):
+                llama.generate(ids, attention_mask=mask, do_sample=False)
+        assert calls == []
+        assert llama.generate(ids[:, 4:], attention_mask=mask[:, 4:], do_sample=False).shape[1] == 32  # 12 + 20 fits
+    finally:
+        astrai_hf.unpatch(llama)
+        config.max_length, config.max_new_tokens = saved
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_prompt_longer_than_the_whole_pool_fails_before_any_forward(llama, monkeypatch):
+    pool = PagePool.from_model(llama, max_tokens=64, page_size=PAGE, max_seq_len=512)
+    ids, mask = left_padded_batch([80, 20])
+    astrai_hf.patch(llama, pool=pool)
+    calls = []
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(type(llama), "forward", lambda *a, **k: calls.append(1))
+            with pytest.raises(CacheFullError, match=rf"needed {-(-80 // PAGE)} pages, {64 // PAGE} free.*80 tokens "
+                                                     r"is longer than the whole pool \(64 tokens\)"):
+                llama.generate(ids, attention_mask=mask, max_new_tokens=2)
+    finally:
+        astrai_hf.unpatch(llama)
+    assert calls == []
+    assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+
+
 def test_unpatched_cache_refuses_a_row_past_max_seq_len(llama):
     pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_seq_len=10)
     ids, mask = left_padded_batch([6, 8])

@@ -28,6 +28,28 @@ def test_generate_with_no_length_argument():
         assert _used(model) == 0
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 5])
+def test_transformers_chunked_prefill_after_a_prefix_hit(chunk):
+    # generate(prefill_chunk_size=...): before 5.24 transformers feeds the prompt's chunks from its first column
+    # whatever the cache holds, so a prefix hit would be stored twice; there the call skips the prefix cache
+    from astrai_hf.patch import _chunked_prefill_resumes
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 7], seed=12)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, prefill_chunk_size=chunk)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        for _ in range(3):
+            assert torch.equal(model.generate(ids, **kw), ref)
+            assert _used(model) == 0
+        assert (pool.stats()["prefix_hit_tokens"] > 0) == _chunked_prefill_resumes()
+        cache = astrai_hf.PagedCache(pool, ids, mask)  # a cache of the caller's, pre-filled from the prefix cache
+        assert torch.equal(model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache}), ref)
+        cache.release()
+        assert _used(model) == 0
+
+
 @pytest.mark.parametrize("candidates", ["prompt_lookup", "assistant_model"])
 def test_candidate_generation_after_a_prefix_hit(candidates):
     model = tiny_model("llama")
@@ -46,11 +68,22 @@ def test_candidate_generation_after_a_prefix_hit(candidates):
         assert _used(model) == 0
 
 
-def test_two_models_on_one_pool_never_share_kv():
-    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+@pytest.mark.parametrize("other", ["other weights", "one embedding row changed"])
+def test_two_models_on_one_pool_never_share_kv(other):
+    import copy
+
+    a = tiny_model("llama", seed=0)
     ids, mask = left_padded_batch([7, 12], seed=2)
+    if other == "other weights":
+        b = tiny_model("llama", seed=1)
+    else:  # a copy with one token's embedding set anew (a new special token, say), and that token in the prompts
+        b = copy.deepcopy(a)
+        ids[:, -5] = 90
+        with torch.no_grad():
+            b.get_input_embeddings().weight[90].normal_(generator=torch.Generator().manual_seed(0))
     kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=8)
     ref_a, ref_b = a.generate(ids, **kw), b.generate(ids, **kw)
+    assert not torch.equal(ref_a, ref_b)
     pool = PagePool.from_model(a, max_tokens=1024, page_size=4)
     astrai_hf.patch(a, pool=pool)
     astrai_hf.patch(b, pool=pool)

@@ -227,3 +227,31 @@ def test_a_pool_pinned_to_a_dtype_is_not_rebuilt_when_the_model_moves():
         assert astrai_hf.get_pool(model) is pool
     finally:
         astrai_hf.unpatch(model)
+
+
+@pytest.mark.parametrize("setup", ["default pool", "own pool", "graph runner", "deep copy"])
+def test_a_deleted_patched_model_frees_its_pool_without_the_garbage_collector(setup):
+    # nothing patch() puts on the model or its modules holds them strongly: a reference cycle through them would
+    # keep the model and the pool's K/V memory until the garbage collector runs
+    import copy
+    import gc
+    import weakref
+
+    ids, mask = left_padded_batch([5, 9])
+    gc.collect()
+    gc.disable()
+    try:
+        model = tiny_model("llama")
+        pool = PagePool.from_model(model, max_tokens=256, page_size=4) if setup == "own pool" else None
+        astrai_hf.patch(model, pool=pool, max_tokens=256, cuda_graphs=setup == "graph runner") if pool is None \
+            else astrai_hf.patch(model, pool=pool)
+        if setup == "deep copy":
+            model = copy.deepcopy(model)
+        for _ in range(2):  # the second call hits the prefix cache
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        refs = [weakref.ref(model), weakref.ref(astrai_hf.get_pool(model)),
+                weakref.ref(astrai_hf.get_pool(model).storage.k[0])]
+        del model, pool
+        assert [ref() is None for ref in refs] == [True, True, True]
+    finally:
+        gc.enable()

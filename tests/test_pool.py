@@ -48,6 +48,9 @@ def test_memory_fraction_sizing(llama):
         (dict(max_reqs=True), TypeError, "max_reqs must be an int, got True"),
         (dict(max_tokens="4096"), TypeError, "max_tokens must be an int, got '4096'"),
         (dict(num_kv_heads=torch.tensor(2.0)), ValueError, r"num_kv_heads must be a positive int, got tensor\(2.\)"),
+        (dict(max_tokens=10**30), ValueError, "max_tokens=1000000000000000000000000000000 makes .* int32 entries"),
+        pytest.param(dict(device="cuda:7"), ValueError, "'cuda:7': this process sees [0-7] CUDA devices",
+                     marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="a machine with 8 GPUs")),
     ],
 )
 def test_bad_arguments_name_the_value(llama, kwargs, error, text):

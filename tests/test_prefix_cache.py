@@ -321,6 +321,68 @@ def test_pool_pressure_raises_and_stays_consistent(llama):
     _assert_pool_idle(pool)
 
 
+@pytest.mark.parametrize("page_size, pages, lengths, new", [
+    (16, 2, [11, 11], 2),  # the same prompt in two rows: both append into the page they share with the cache
+    (16, 2, [23], 3),  # a prompt whose cached tail page is partly reused
+    (4, 4, [15], 1),  # the call fills the whole pool
+])
+def test_a_call_that_fits_a_cold_pool_fits_a_warm_one(llama, page_size, pages, lengths, new):
+    # a prefix hit ending mid-page: the appending row copies the shared page first, and the pool has no page to
+    # copy into; the page is taken over from the prefix cache instead, as the cold call would have used it
+    pool = _pool(llama, max_tokens=page_size * pages, page_size=page_size)
+    ids, mask = _batch([_tokens(lengths[0], seed=40)] * len(lengths))
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+    for call in range(3):
+        out, hits = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=new))
+        assert torch.equal(out, ref)
+        assert (hits > 0) == (call > 0)
+        _assert_pool_idle(pool)
+
+
+def test_a_cached_page_under_a_held_page_is_not_counted_evictable(llama):
+    # a cache keeps the tail page of a sequence the prefix cache indexes under a page it alone holds: eviction
+    # takes leaves, so that page cannot be freed while the cache lives
+    import copy
+
+    pool = _pool(llama, max_tokens=6 * 2, page_size=2)
+    ids, mask = _batch([torch.tensor([10, 11])])
+    with PagedCache(pool, ids, mask) as cache:
+        llama(ids, attention_mask=mask, **{_kw(llama): cache})
+    ids, mask = _batch([torch.tensor([10, 11, 12, 13]), torch.tensor([50, 51, 52, 53])])
+    cache = PagedCache(pool, ids, mask)
+    llama(ids, attention_mask=mask, **{_kw(llama): cache})
+    twin = copy.deepcopy(cache)
+    cache.release()  # [12, 13] is indexed under the cached [10, 11]; the twin still holds it
+    try:
+        assert pool.stats()["num_cached_pages"] == 1 and pool.prefix_cache.num_evictable == 0
+        free, indexed = pool.stats()["num_free_pages"], pool.stats()["prefix_cache_pages"]
+        ids, mask = _batch([torch.arange(20, 20 + 2 * (free + 1))])
+        with pytest.raises(CacheFullError) as err, PagedCache(pool, prefix_cache=False) as other:
+            llama(ids, attention_mask=mask, **{_kw(llama): other})
+        assert (err.value.needed, err.value.free, err.value.evictable) == (free + 1, free, 0)
+        assert "page_size=2" in str(err.value)
+        assert pool.stats()["prefix_cache_pages"] == indexed  # nothing evicted for a call that could not fit
+    finally:
+        twin.release()
+    _assert_pool_idle(pool)
+
+
+def test_the_weights_digest_sees_one_value_changed_or_two_rows_swapped():
+    from astrai_hf.persist import weights_fingerprint
+
+    model = tiny_model("llama")
+    base = weights_fingerprint(model)
+    weight = model.get_input_embeddings().weight
+    with torch.no_grad():
+        saved = weight[7, 3].item()
+        weight[7, 3] = torch.nextafter(weight[7, 3], torch.tensor(1.0))  # one ulp
+        assert weights_fingerprint(model) != base
+        weight[7, 3] = saved
+        assert weights_fingerprint(model) == base
+        weight[[7, 8]] = weight[[8, 7]].clone()
+        assert weights_fingerprint(model) != base
+
+
 _PREFIXES = [_tokens(n, seed=100 + n) for n in (5, 9, 14)]
 
 
@@ -455,6 +517,8 @@ _BROKEN = {
                                               "is not \\[parent, \\[token ids\\]\\]"),
     "a fingerprint from before the config was in it": (lambda t, m: m["fingerprint"].pop("config"),
                                                        "saved by an earlier release"),
+    "a fingerprint of sampled weights": (lambda t, m: m["fingerprint"].pop("weights_digest"),
+                                         "saved by an earlier release"),
 }
 
 

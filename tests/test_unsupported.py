@@ -85,6 +85,28 @@ def _gemma4_kv_sharing():
         num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 2))
 
 
+def _gemma4_per_layer_head_dim():
+    # full-attention layers with a head size of their own (global_head_dim), as in the released Gemma 4 checkpoints
+    return T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+        **{**_COMMON, "num_hidden_layers": 2}, head_dim=16, global_head_dim=32, sliding_window=4,
+        num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"]))
+
+
+def _diffllama():  # splits V into two halves after the cache stored it, and attends to each
+    return T.DiffLlamaForCausalLM(T.DiffLlamaConfig(**_COMMON))
+
+
+def _jetmoe():  # tiles the K/V heads after the cache stored them (query head i reads K/V head i % kv_heads)
+    return T.JetMoeForCausalLM(T.JetMoeConfig(
+        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, kv_channels=16, num_local_experts=4,
+        num_experts_per_tok=2))
+
+
+def _bert_encoder():  # an encoder checkpoint loaded as a causal LM: its self-attention attends both ways
+    return T.BertLMHeadModel(T.BertConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, pad_token_id=0, is_decoder=False))
+
+
 UNSUPPORTED = {
     "gpt_oss": (_gpt_oss, "attention sinks"),
     "deepseek_v3": (_deepseek_v3, "multi-head latent attention"),
@@ -96,6 +118,10 @@ UNSUPPORTED = {
     "bart_decoder": (_bart_decoder, "cross-attention"),
     "llama4_chunked": (_llama4, "chunked attention"),
     "gemma4_kv_sharing": (_gemma4_kv_sharing, "KV sharing"),
+    "gemma4_per_layer_head_dim": (_gemma4_per_layer_head_dim, "layers differ in head_dim"),
+    "diffllama": (_diffllama, "changes K/V between storing them in the cache and attending"),
+    "jetmoe": (_jetmoe, "changes K/V between storing them in the cache and attending"),
+    "bert_encoder": (_bert_encoder, "attends both ways"),
 }
 
 
@@ -199,3 +225,25 @@ def test_a_pool_of_another_kv_sharing_layout_is_refused():
         pool = PagePool.from_model(_build("gemma3n", num_kv_shared_layers=pool_shared), max_tokens=512)
         with pytest.raises(ValueError, match="kv_source"):
             astrai_hf.patch(_build("gemma3n", num_kv_shared_layers=model_shared), pool=pool)
+
+
+@pytest.mark.parametrize("name", ["diffllama", "jetmoe"])
+def test_families_that_change_kv_after_the_cache_run_on_a_paged_cache_without_patch(name):
+    # the refusal's advice: stock attention over K/V gathered from the pool equals stock generate()
+    model = _build(name)
+    ids = _IDS.clone()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    kw = {**_KW, "attention_mask": mask}
+    stock = model.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    with astrai_hf.PagedCache(pool) as cache:
+        out = model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache})
+    assert torch.equal(out, stock)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_the_latent_attention_refusal_names_the_latent_rank():
+    with pytest.raises(NotImplementedError, match=r"kv_lora_rank=16"):
+        astrai_hf.patch(_build("deepseek_v3"), max_tokens=512)
