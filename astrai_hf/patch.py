@@ -519,6 +519,8 @@ def _wrap_forward(owner, forward, state: PatchState):
         if cache.pool.model is not model or cache.checked_model != id(model):
             # another model shares the pool, or the weights changed: the cached prefixes are not ours, and a cache
             # pre-filled from them must not run
+            if not cache.made_by_generate:  # (generate() synced them before it made its cache)
+                _sync_modules(model, state)
             cache.pool.check_weights(model)
             cache.checked_model = id(model)
             cache.check_prefix_hits()
@@ -526,9 +528,10 @@ def _wrap_forward(owner, forward, state: PatchState):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
             return forward(*args, **kwargs)
-        if model.training and dropout_active(model):
-            # training mode with dropout: the model's own attention applies its dropout (paged attention has none),
-            # over K/V gathered from the pool; K/V computed under dropout are no prefix for a later prompt
+        if model.training and dropout_active(model) or _own_attention(state) is not None:
+            # training mode with dropout: the model's own attention applies its dropout (paged attention has none);
+            # an attention function of the caller's (AttentionInterface.register) computes what it computes. Either
+            # runs over K/V gathered from the pool, and its K/V are no prefix for a later prompt
             cache._rows.reusable = False
             return forward(*args, **kwargs)
         if _records_grad(model, args, kwargs):
@@ -714,7 +717,7 @@ def _wrap_generate(owner, generate, state: PatchState):
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
         if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
-                kwargs, config) or (model.training and dropout_active(model))):
+                kwargs, config) or (model.training and dropout_active(model)) or _own_attention(state) is not None):
             # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
             # the whole prompt, and a forward under dropout computes the prompt afresh: a cache of the caller's that
             # the prefix cache pre-filled starts empty instead
@@ -727,6 +730,11 @@ def _wrap_generate(owner, generate, state: PatchState):
             # images, audio, video: their features enter through placeholder ids the prefix cache cannot tell
             # apart, and some models attend both ways within an image; such calls run stock generate()
             logger.debug("generate() with %s: stock generate(), not paged", ", ".join(other))
+            return generate(*args, **kwargs)
+        own = _own_attention(state)
+        if own is not None:
+            # an attention function of the caller's: paged attention cannot stand in for it
+            logger.debug("attention implementation %r: stock generate(), not paged", own)
             return generate(*args, **kwargs)
         implementation = _cache_implementation(kwargs, passed, model.generation_config)
         if implementation is not None:  # asked for in this call: that cache, not ours
@@ -745,6 +753,7 @@ def _wrap_generate(owner, generate, state: PatchState):
         return _run_paged(model, args, kwargs, config)
 
     def _run_paged(model, args, kwargs, config):
+        _sync_modules(model, state)
         if (state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs)
                 and not state.pool.fits_placement(state.modules)):
             _rebuild_pool(model, state)
@@ -768,6 +777,57 @@ def _wrap_generate(owner, generate, state: PatchState):
             cache.returned_by_generate = True
 
     return paged_generate
+
+
+# attention implementations paged attention stands in for: transformers' own (and "eager", the modeling file's), and
+# FlashAttention kernels from the hub; a function registered under another name is the caller's own attention
+_STANDARD_ATTENTION = {None, "eager", attention.ATTENTION_NAME}
+
+
+def _own_attention(state: PatchState) -> str | None:
+    """The name of an attention implementation of the caller's (``AttentionInterface.register`` and
+    ``set_attn_implementation``) that a patched model's config selects, or None."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for config in state.attn_configs:
+        name = getattr(config, "_attn_implementation_internal", None)
+        if name in _STANDARD_ATTENTION or not isinstance(name, str) or "flash" in name:
+            continue
+        fn = ALL_ATTENTION_FUNCTIONS.get(name) if name in ALL_ATTENTION_FUNCTIONS else None
+        if not getattr(fn, "__module__", "").startswith("transformers."):
+            return name
+    return None
+
+
+def _sync_modules(model, state: PatchState) -> None:
+    """Patch attention modules that joined the model since ``patch()`` (a layer deep-copied, swapped or added) as
+    patch() patched the first ones; the settings that follow from the config are read again too (a RoPE switched
+    to ``dynamic``).
+
+    Raises:
+        NotImplementedError: a new module is one ``patch()`` would have refused.
+    """
+    state.rope_by_length = rope_depends_on_length(model.config)
+    modules = attention_modules(model)
+    if [id(m) for m in modules] == [id(ref()) for ref in state.module_refs]:
+        return
+    for cls in {type(m) for m in modules}:
+        if not _uses_attention_interface(cls):
+            raise NotImplementedError(f"{cls.__name__}, now in {type(model).__name__}, computes attention without "
+                                      "transformers' AttentionInterface; unpatch the model first")
+    reason = unsupported_feature(model, modules)
+    if reason is not None:
+        raise NotImplementedError(f"{type(model).__name__} changed since patch(): {reason}")
+    for m in modules:
+        setattr(m, _STATE_ATTR, state)
+        m.__reduce_ex__ = _OnInstance(_reduce_unpatched, m, None)
+    configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
+    state.attn_configs = configs or [model.config]
+    state.module_refs = [weakref.ref(m) for m in modules]
+    for runner in state.runners.values():  # captured over the modules that left
+        runner.close()
+    state.runners.clear()
+    logger.info("%s: its attention modules changed since patch(); patched the new ones", type(model).__name__)
 
 
 def _rebuild_pool(model, state: PatchState) -> None:

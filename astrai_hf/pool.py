@@ -595,7 +595,9 @@ class _WeightsVersion:
       in-place change, an optimizer step or ``load_state_dict``), and each one's storage, held by weak reference (a
       new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``);
     - each module's code and settings: its class, a ``forward`` replaced on the class or the instance, a submodule
-      swapped for another, a float attribute changed (``scaling``);
+      swapped for another, a float attribute or ``sliding_window`` changed (``scaling``);
+    - the config fields that change what the layers compute (:func:`~astrai_hf.persist.config_fingerprint`:
+      a ``sliding_window`` or RoPE setting edited on a loaded model);
     - the forward hooks and pre-hooks on its modules and the global ones (activation steering, ablations, probes);
     - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales).
 
@@ -608,6 +610,7 @@ class _WeightsVersion:
         self.version = _version_sum(tensors)
         self.storages = [weakref.ref(t.untyped_storage()) for t in tensors]
         self.behaviour = _behaviour(model)
+        self.config = _config_digest(model)
 
     def matches(self, model: torch.nn.Module) -> bool:
         tensors = _local_tensors(model)
@@ -616,7 +619,14 @@ class _WeightsVersion:
             and _version_sum(tensors) == self.version
             and all(ref() is t.untyped_storage() for ref, t in zip(self.storages, tensors))
             and _behaviour(model) == self.behaviour
+            and _config_digest(model) == self.config
         )
+
+
+def _config_digest(model: torch.nn.Module) -> str:
+    from .persist import config_fingerprint
+
+    return config_fingerprint(model)
 
 
 def _hook_ids(hooks: dict) -> tuple:
@@ -625,17 +635,22 @@ def _hook_ids(hooks: dict) -> tuple:
     return tuple(k for k, fn in hooks.items() if not getattr(fn, "__module__", "").startswith("transformers."))
 
 
+# int (or None) attributes that change what a layer computes, watched though ints are not in general
+_WATCHED_SETTINGS = ("sliding_window", "attention_chunk_size")
+
+
 def _code_and_settings(m: torch.nn.Module) -> tuple:
     """A module's code and settings: its class and the class's ``forward``, a ``forward`` set on the instance
-    (astrai-hf's own wrapper left out), and its public float attributes (``scaling``, ``attention_scaling``,
-    ``variance_epsilon``, soft-caps). Flags and counters (bools, ints: ``gradient_checkpointing``, a flag a layer
+    (astrai-hf's own wrapper left out), its public float attributes (``scaling``, ``attention_scaling``,
+    ``variance_epsilon``, soft-caps) and its ``sliding_window``. Other flags and counters (bools, ints: ``gradient_checkpointing``, a flag a layer
     sets on its first forward, a call counter) are left out: they change between calls without changing what the
     model computes, and each change would empty the prefix cache."""
     cls = type(m)
     own = m.__dict__.get("forward")
     if getattr(own, "astrai_hf_wrapper", False):
         own = None
-    settings = tuple((k, v) for k, v in m.__dict__.items() if type(v) is float and not k.startswith("_"))
+    settings = tuple((k, v) for k, v in m.__dict__.items()
+                     if (type(v) is float and not k.startswith("_")) or k in _WATCHED_SETTINGS)
     return cls, getattr(cls, "forward", None), own, settings
 
 

@@ -455,3 +455,93 @@ def test_overriding_the_models_cache_implementation_adds_no_generation_argument(
         logging.getLogger("transformers").removeHandler(handler)
         hf_logging.set_verbosity(verbosity)
     assert not [m for m in seen if "generation-related arguments" in m]
+
+
+def test_an_attention_function_of_the_callers_runs_as_stock():
+    # AttentionInterface.register + a config that names it (research code: a temperature, a probe): paged attention
+    # does not stand in for it; generate() runs stock, and a cache of the caller's runs the function over the pool
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def hot(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        calls.append(module.layer_idx)
+        scaling = (scaling or query.shape[-1] ** -0.5) * 3.0
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("astrai_test_hot", hot)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9, 3], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    plain = model.generate(ids, **kw)
+    model.config._attn_implementation = "astrai_test_hot"
+    ref = model.generate(ids, **kw)
+    assert calls and not torch.equal(ref, plain)
+    model.config._attn_implementation = "sdpa"
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        pool = astrai_hf.get_pool(patched)
+        patched.generate(ids, **kw)  # fills the prefix cache under sdpa
+        model.config._attn_implementation = "astrai_test_hot"
+        calls.clear()
+        for _ in range(2):
+            assert torch.equal(patched.generate(ids, **kw), ref)
+        assert calls
+        with PagedCache(pool, ids, mask) as cache:  # pre-filled from sdpa's prefixes: starts empty instead
+            assert torch.equal(patched.generate(ids, **kw, **{astrai_hf.cache_kwarg(patched): cache}), ref)
+        model.config._attn_implementation = "sdpa"
+        assert torch.equal(patched.generate(ids, **kw), plain)
+        assert _used(pool) == 0
+
+
+@pytest.mark.parametrize("part", ["self_attn", "layer", "every layer"])
+def test_an_attention_module_deep_copied_after_patch(part):
+    # the copy (its own config object) is patched on the next call as patch() patched the first ones
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9, 3], seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        model.generate(ids, **kw)
+        layers = model.model.layers
+        if part == "self_attn":
+            layers[0].self_attn = copy.deepcopy(layers[0].self_attn)
+        elif part == "layer":
+            layers[1] = copy.deepcopy(layers[1])
+        else:
+            model.model.layers = copy.deepcopy(layers)
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, **kw), ref)
+        pool = astrai_hf.get_pool(model)
+        with PagedCache(pool) as cache:
+            assert torch.equal(model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache}), ref)
+        assert _used(pool) == 0
+
+
+@pytest.mark.parametrize("window", [2, None])
+def test_a_sliding_window_changed_in_the_config_drops_the_cached_prefixes(window):
+    # Mistral reads config.sliding_window at every forward
+    model = tiny_model("mistral", sliding_window=5)
+    ids, mask = left_padded_batch([20, 35, 18], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with astrai_hf.patched(model, max_tokens=4096, page_size=4):
+        model.generate(ids, **kw)
+        model.config.sliding_window = window
+        hits = astrai_hf.get_pool(model).stats()["prefix_hit_tokens"]
+        out = model.generate(ids, **kw)
+        assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] == hits
+    assert torch.equal(out, model.generate(ids, **kw))
+
+
+def test_a_rope_switched_to_dynamic_after_patch_is_not_chunked():
+    def dynamic(m):
+        m.config.rope_parameters = {**m.config.rope_parameters, "rope_type": "dynamic", "factor": 8.0}
+        m.model.rotary_emb = type(m.model.rotary_emb)(m.config)
+
+    model = tiny_model("llama", max_position_embeddings=8)
+    ids, mask = left_padded_batch([60, 45], seed=0)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with astrai_hf.patched(model, max_tokens=4096, max_seq_len=256, prefill_chunk_tokens=8):
+        dynamic(model)
+        out = model.generate(ids, **kw)
+    assert torch.equal(out, model.generate(ids, **kw))
