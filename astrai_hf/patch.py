@@ -237,7 +237,24 @@ class _OnInstance:
         self.fn, self.ref, self.extra = fn, weakref.ref(obj), extra
 
     def __call__(self, *args):
-        return self.fn(self.ref(), *self.extra, *args)
+        return self.fn(_alive(self.ref), *self.extra, *args)
+
+
+def _alive(ref):
+    """The object behind the weak reference ``ref``.
+
+    Raises:
+        ReferenceError: it has been freed: a method saved from a patched model, or a shallow copy of it, outlived
+            the model (patch() holds the model weakly, so that deleting it frees its pool at once).
+    """
+    obj = ref()
+    if obj is None:
+        raise ReferenceError(
+            "the model astrai-hf patched has been freed: a method saved from it (model.generate, model.forward) or "
+            "a shallow copy.copy() of it outlived it, and patch() does not keep the model alive; keep a reference "
+            "to the patched model while you use them (copy.deepcopy gives a copy of its own)"
+        )
+    return obj
 
 
 def _weakly_bound(method, owner):
@@ -249,7 +266,7 @@ def _weakly_bound(method, owner):
 
     @functools.wraps(func)
     def call(*args, **kwargs):
-        return func(ref(), *args, **kwargs)
+        return func(_alive(ref), *args, **kwargs)
 
     call.__signature__ = inspect.signature(method)
     return call
@@ -453,12 +470,24 @@ def _check_chunked_attention(model: torch.nn.Module, pool: PagePool) -> None:
 
 
 def _uses_attention_interface(cls: type) -> bool:
-    module = sys.modules.get(cls.__module__)
-    try:
-        source = inspect.getsource(module) if module is not None else ""
-    except (OSError, TypeError):
-        return False
-    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
+    """Whether ``cls`` computes attention through transformers' AttentionInterface: the module of the first class
+    in its MRO that defines ``forward`` looks the function up there, or that ``forward`` calls
+    ``super().forward(...)`` (a subclass in a script of the caller's) and the next one does."""
+    for klass in cls.__mro__:
+        forward = vars(klass).get("forward")
+        if forward is None:
+            continue
+        if klass is torch.nn.Module:
+            return False
+        module = sys.modules.get(klass.__module__)
+        try:
+            if "ALL_ATTENTION_FUNCTIONS.get_interface(" in (inspect.getsource(module) if module is not None else ""):
+                return True
+            if "super().forward(" not in inspect.getsource(forward):
+                return False
+        except (OSError, TypeError):
+            return False
+    return False
 
 
 def _wants_graphs(model, cuda_graphs: bool | None) -> bool:
@@ -507,7 +536,7 @@ def _wrap_forward(owner, forward, state: PatchState):
     @functools.wraps(forward)
     def paged_forward(*args, **kwargs):
         with state.lock:
-            return _paged_forward(model_ref(), *args, **kwargs)
+            return _paged_forward(_alive(model_ref), *args, **kwargs)
 
     def _paged_forward(model, *args, **kwargs):
         cache = _find_cache(kwargs)
@@ -702,7 +731,7 @@ def _wrap_generate(owner, generate, state: PatchState):
     @functools.wraps(generate)
     def paged_generate(*args, **kwargs):
         with state.lock:
-            return _paged_generate(model_ref(), *args, **kwargs)
+            return _paged_generate(_alive(model_ref), *args, **kwargs)
 
     def _paged_generate(model, *args, **kwargs):
         passed = kwargs.get("generation_config")

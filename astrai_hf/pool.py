@@ -259,8 +259,9 @@ class PagePool:
         evicting cached-only pages (LRU, tail first).
 
         Raises:
-            CacheFullError: even after evicting every cached-only page fewer than ``num_pages`` are free; nothing
-                is evicted then.
+            CacheFullError: even after evicting every cached-only page fewer than ``num_pages`` are free. Nothing
+                is evicted then, unless cached pages whose continuation a live cache holds (which eviction, taking
+                leaves, cannot free) were counted on: the exact count is taken only then, as it walks the tree.
         """
         free = self.allocator.num_free
         if num_pages <= free:
@@ -273,15 +274,27 @@ class PagePool:
             free = self.allocator.num_free
             if num_pages <= free:
                 return
-        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
-        if num_pages > free + evictable:
-            raise CacheFullError(num_pages, free, evictable)
+        cached = self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0  # >= what can be evicted
+        if num_pages > free + cached:
+            raise CacheFullError(num_pages, free, self.prefix_cache.num_evictable if cached else 0)
         logger.debug("KV pool pressure: %d pages wanted, %d free; evicting %d cached prefix pages",
                     num_pages, free, num_pages - free)
         self.prefix_cache.evict(num_pages - free)
+        if self.allocator.num_free < num_pages:
+            raise CacheFullError(num_pages, self.allocator.num_free, self.prefix_cache.num_evictable)
 
     def clear_prefix_cache(self) -> int:
-        """Forget every cached prefix; returns the pages dropped from the index."""
+        """Forget every cached prefix; returns the pages dropped from the index. The digests of the models' weights
+        are taken again too: call it after writes into ``param.data``, which no check sees."""
+        dropped = self._drop_prefixes()
+        self._fingerprints.clear()
+        model = self.model
+        if model is not None:
+            self._model_fingerprint = self._fingerprint(model)
+            self._weights_version = _WeightsVersion(model)
+        return dropped
+
+    def _drop_prefixes(self) -> int:
         return self.prefix_cache.clear() if self.prefix_cache is not None else 0
 
     # ------------------------------------------------------------------ the model the K/V belong to
@@ -317,7 +330,7 @@ class PagePool:
 
         digest = self._fingerprint(model)
         if self._model_fingerprint is not None and digest != self._model_fingerprint:
-            dropped = self.clear_prefix_cache()
+            dropped = self._drop_prefixes()
             logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
         self._model_ref, self._model_fingerprint = weakref.ref(model), digest
         self._weights_version = _WeightsVersion(model)
@@ -339,7 +352,7 @@ class PagePool:
         if self._weights_version is not None and self._weights_version.matches(model):
             return
         if self._weights_version is not None:
-            dropped = self.clear_prefix_cache()
+            dropped = self._drop_prefixes()
             logger.info("the model's weights, hooks, adapters or module code changed: dropped %d cached prefix pages",
                         dropped)
             self._model_fingerprint = self._fingerprint(model)

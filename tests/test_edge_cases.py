@@ -97,6 +97,34 @@ def test_two_models_on_one_pool_never_share_kv(other):
     assert pool.stats()["num_used_pages"] == 0
 
 
+def test_clear_prefix_cache_after_writes_into_param_data_takes_the_digests_again():
+    # writes into .data bypass every check; the README says to clear the prefix cache after them. Two twins share
+    # the pool: after the clear, the edited twin's K/V must not pass for the other's
+    import copy
+
+    a = tiny_model("llama")
+    b = copy.deepcopy(a)
+    ids, mask = left_padded_batch([9, 14], seed=4)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=6)
+    pool = PagePool.from_model(a, max_tokens=1024, page_size=4)
+    astrai_hf.patch(a, pool=pool)
+    astrai_hf.patch(b, pool=pool)
+    try:
+        a.generate(ids, **kw)
+        b.generate(ids, **kw)
+        with torch.no_grad():
+            for p in a.parameters():
+                p.data.mul_(1.5)
+        pool.clear_prefix_cache()
+        out_a = a.generate(ids, **kw)
+        out_b = b.generate(ids, **kw)
+    finally:
+        astrai_hf.unpatch(a)
+        astrai_hf.unpatch(b)
+    assert torch.equal(out_a, a.generate(ids, **kw)) and torch.equal(out_b, b.generate(ids, **kw))
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_weights_changed_in_place_drop_the_prefix_cache():
     model = tiny_model("llama")
     x = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(3))

@@ -255,3 +255,38 @@ def test_a_deleted_patched_model_frees_its_pool_without_the_garbage_collector(se
         assert [ref() is None for ref in refs] == [True, True, True]
     finally:
         gc.enable()
+
+
+def test_an_attention_subclass_of_the_callers_is_patched_when_it_calls_the_parents_forward():
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    class ProbedAttention(LlamaAttention):  # research code: a subclass in the caller's own script
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    class HandWrittenAttention(LlamaAttention):  # attention computed by hand: nothing to route paged attention into
+        def forward(self, hidden_states, *args, **kwargs):
+            return torch.zeros_like(hidden_states), None
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    ref = model.generate(ids, **kw)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = ProbedAttention
+    with astrai_hf.patched(model, max_tokens=1024):
+        assert torch.equal(model.generate(ids, **kw), ref)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = HandWrittenAttention
+    with pytest.raises(NotImplementedError, match="HandWrittenAttention computes attention without"):
+        astrai_hf.patch(model)
+
+
+def test_a_method_saved_from_a_freed_patched_model_says_what_happened():
+    # patch() holds the model weakly (so that deleting it frees its pool at once)
+    ids, mask = left_padded_batch([5, 9])
+    model = astrai_hf.patch(tiny_model("llama"), max_tokens=256)
+    generate = model.generate
+    del model
+    with pytest.raises(ReferenceError, match="keep a reference to the patched model"):
+        generate(ids, attention_mask=mask, max_new_tokens=2)
