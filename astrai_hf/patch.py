@@ -138,7 +138,7 @@ def patch(
         state.prefill_chunk_tokens = prefill_chunk_tokens
         state.cuda_graphs = _wants_graphs(model, cuda_graphs)
         return given
-    modules = attention_modules(model)
+    modules = attention_modules(model, every_copy=True)
     if not modules:
         raise NotImplementedError(
             f"{type(model).__name__}: found no self-attention modules with a layer_idx; astrai-hf cannot patch it"
@@ -192,6 +192,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     given, model = model, _underlying(model)
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
+        get_base_model = getattr(model, "get_base_model", None)  # a peft wrapper of a model patched before it
+        base = get_base_model() if callable(get_base_model) else None
+        if isinstance(base, torch.nn.Module) and base is not model and _STATE_ATTR in base.__dict__:
+            unpatch(base)
         return given
     _uninstall(model, state)
     for runner in state.runners.values():
@@ -752,6 +756,8 @@ def _wrap_generate(owner, generate, state: PatchState):
             # the prefix cache pre-filled starts empty instead
             given.forget_prefix_hits()
             given.verifies_candidates = _candidate_decoding(kwargs, config)
+        if isinstance(given, PagedCache):
+            _refuse_inner_padding(args, kwargs, config)
         if given is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
         other = _other_inputs(kwargs)
@@ -808,9 +814,10 @@ def _wrap_generate(owner, generate, state: PatchState):
     return paged_generate
 
 
-# attention implementations paged attention stands in for: transformers' own (and "eager", the modeling file's), and
-# FlashAttention kernels from the hub; a function registered under another name is the caller's own attention
-_STANDARD_ATTENTION = {None, "eager", attention.ATTENTION_NAME}
+# attention implementations paged attention stands in for: transformers' own (looked up in its registry, and
+# "eager", the modeling file's own) and kernels from the hub ("org/repo" names); a function registered under another
+# name is the caller's own attention
+_STANDARD_ATTENTION = {"eager", attention.ATTENTION_NAME}
 
 
 def _own_attention(state: PatchState) -> str | None:
@@ -820,10 +827,13 @@ def _own_attention(state: PatchState) -> str | None:
 
     for config in state.attn_configs:
         name = getattr(config, "_attn_implementation_internal", None)
-        if name in _STANDARD_ATTENTION or not isinstance(name, str) or "flash" in name:
+        if not isinstance(name, str):
             continue
-        fn = ALL_ATTENTION_FUNCTIONS.get(name) if name in ALL_ATTENTION_FUNCTIONS else None
-        if not getattr(fn, "__module__", "").startswith("transformers."):
+        base = name.split("|")[-1]  # "paged|sdpa": transformers' continuous batching over one of its own
+        if base in _STANDARD_ATTENTION or "/" in base:
+            continue
+        fn = ALL_ATTENTION_FUNCTIONS[base] if base in ALL_ATTENTION_FUNCTIONS else None
+        if fn is not None and not getattr(fn, "__module__", "").startswith("transformers."):
             return name
     return None
 
@@ -837,7 +847,7 @@ def _sync_modules(model, state: PatchState) -> None:
         NotImplementedError: a new module is one ``patch()`` would have refused.
     """
     state.rope_by_length = rope_depends_on_length(model.config)
-    modules = attention_modules(model)
+    modules = attention_modules(model, every_copy=True)
     if [id(m) for m in modules] == [id(ref()) for ref in state.module_refs]:
         return
     for cls in {type(m) for m in modules}:
@@ -1034,6 +1044,22 @@ def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor
     if any(p in eos_ids for p in pads.tolist()) or not padded.any():
         return ones
     return (~padded).to(input_ids.dtype)
+
+
+def _refuse_inner_padding(args: tuple, kwargs: dict, config) -> None:
+    """generate() with a PagedCache of the caller's gets the check a call without one gets: a mask (or the one
+    generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache.
+
+    Raises:
+        ValueError: from :func:`~astrai_hf.cache.left_padding`, naming the rows.
+    """
+    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
+        return
+    mask = kwargs.get("attention_mask")
+    mask = _implied_mask(input_ids, kwargs, config) if mask is None else mask
+    if mask.dim() == 2 and mask.shape == input_ids.shape:
+        left_padding(mask)
 
 
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, model=None) -> int:

@@ -38,24 +38,24 @@ _CONFIG_IGNORED = frozenset({
 })
 
 
-def _config_fields(value):
-    """``value`` (a config's dict) without the fields in ``_CONFIG_IGNORED`` or private ones, at every depth
-    (composite models nest their text and vision configs)."""
+def _config_fields(value, ignored=_CONFIG_IGNORED):
+    """``value`` (a config's dict) without the fields in ``ignored`` or private ones, at every depth (composite
+    models nest their text and vision configs)."""
     if isinstance(value, dict):
-        return {k: _config_fields(v) for k, v in value.items() if k not in _CONFIG_IGNORED and not k.startswith("_")}
+        return {k: _config_fields(v, ignored) for k, v in value.items() if k not in ignored and not k.startswith("_")}
     if isinstance(value, (list, tuple)):
-        return [_config_fields(v) for v in value]
+        return [_config_fields(v, ignored) for v in value]
     return value
 
 
-def config_fingerprint(model: torch.nn.Module) -> str:
+def config_fingerprint(model: torch.nn.Module, ignore: frozenset = frozenset()) -> str:
     """A hex digest of the model's config, the fields that change what its layers compute (RoPE theta and scaling,
     sliding windows, norms' epsilon, activation, soft-capping, ...): everything but names, token ids, labels and
-    output switches. Empty string for a module without a ``config``."""
+    output switches, and the fields in ``ignore``. Empty string for a module without a ``config``."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return ""
-    text = json.dumps(_config_fields(config.to_dict()), sort_keys=True, default=str)
+    text = json.dumps(_config_fields(config.to_dict(), _CONFIG_IGNORED | ignore), sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 

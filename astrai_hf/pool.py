@@ -424,10 +424,11 @@ class PagePool:
         )
 
 
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def attention_modules(model: torch.nn.Module, every_copy: bool = False) -> list[torch.nn.Module]:
     """The self-attention modules of ``model``'s text decoder that own a KV cache layer, ordered by ``layer_idx``.
     Vision and audio towers of a multimodal model (their attention modules may carry a ``layer_idx`` too) are left
-    out: the decoder is ``model.get_decoder()`` where transformers finds one."""
+    out: the decoder is ``model.get_decoder()`` where transformers finds one. With ``every_copy``, every module of a
+    ``layer_idx`` (peft's ``modules_to_save`` keeps the original next to the copy that runs), else the first."""
     root = model
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
@@ -437,13 +438,13 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             decoder = None
         if isinstance(decoder, torch.nn.Module):
             root = decoder
-    found = {}
+    found: dict[int, list] = {}
     for module in root.modules():
         idx = getattr(module, "layer_idx", None)
         name = type(module).__name__
-        if isinstance(idx, int) and "Attention" in name and "Cross" not in name and idx not in found:
-            found[idx] = module
-    return [found[i] for i in sorted(found)]
+        if isinstance(idx, int) and "Attention" in name and "Cross" not in name:
+            found.setdefault(idx, []).append(module)
+    return [m for i in sorted(found) for m in (found[i] if every_copy else found[i][:1])]
 
 
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # of config.layer_types
@@ -637,9 +638,12 @@ class _WeightsVersion:
 
 
 def _config_digest(model: torch.nn.Module) -> str:
+    """The config's digest between calls, leaving out ``num_hidden_layers``: assisted decoding with early exit
+    lowers it around each draft (whose K/V no prefix keeps), and a forward over fewer layers marks no token of
+    its rows as stored, so no prefix computed by it is ever cached."""
     from .persist import config_fingerprint
 
-    return config_fingerprint(model)
+    return config_fingerprint(model, ignore=frozenset({"num_hidden_layers"}))
 
 
 def _hook_ids(hooks: dict) -> tuple:

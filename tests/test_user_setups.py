@@ -545,3 +545,74 @@ def test_a_rope_switched_to_dynamic_after_patch_is_not_chunked():
         dynamic(model)
         out = model.generate(ids, **kw)
     assert torch.equal(out, model.generate(ids, **kw))
+
+
+def test_peft_modules_to_save_on_attention_after_patch():
+    # peft deep-copies each attention module next to the original (which no longer runs), same layer_idx
+    peft = pytest.importorskip("peft")
+    ids, mask = left_padded_batch([9, 5], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    ref = tiny_model("llama").generate(ids, **kw)
+    model = astrai_hf.patch(tiny_model("llama"), max_tokens=512)
+    config = peft.LoraConfig(r=2, target_modules=["gate_proj"], modules_to_save=["self_attn"])  # a no-op LoRA
+    peft_model = peft.get_peft_model(model, config)
+    for _ in range(2):
+        assert torch.equal(peft_model.generate(input_ids=ids, **kw), ref)
+    assert _used(astrai_hf.get_pool(model)) == 0
+    astrai_hf.unpatch(peft_model)  # the wrapper of a model patched before it
+    assert not astrai_hf.is_patched(model)
+
+
+def test_early_exit_drafts_leave_the_cached_prefixes():
+    # assisted decoding with early exit lowers config.num_hidden_layers around each draft
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids, mask = left_padded_batch([13], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    ref = model.generate(ids, assistant_early_exit=1, **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        model.generate(ids, **kw)
+        assert torch.equal(model.generate(ids, assistant_early_exit=1, **kw), ref)
+        hits = pool.stats()["prefix_hit_tokens"]
+        model.generate(ids, **kw)
+        assert pool.stats()["prefix_hit_tokens"] - hits == 12
+        assert _used(pool) == 0
+
+
+def test_a_mask_with_inner_zeros_and_a_cache_of_the_callers_is_refused_as_without_one():
+    # a pad token inside an earlier turn that the caller's cache holds: generate() masks it, which no paged cache
+    # expresses; the call is refused as the same call without a cache of the caller's is
+    model = tiny_model("llama")
+    turn1 = torch.tensor([[6, 56, 79, 30, 72, 48, 65, 29, 15, 35, 0, 29]])  # 0 is the pad id
+    turn2 = torch.cat([turn1, torch.tensor([[76, 88]])], 1)
+    with astrai_hf.patched(model, max_tokens=256) as patched:
+        pool = astrai_hf.get_pool(patched)
+        with pytest.raises(ValueError, match=r"rows \[0\] are not left-padded"):
+            patched.generate(turn2, max_new_tokens=4, do_sample=False)
+        with PagedCache(pool) as cache:
+            with torch.no_grad():
+                patched(turn1, **{astrai_hf.cache_kwarg(patched): cache})
+            with pytest.raises(ValueError, match=r"rows \[0\] are not left-padded"):
+                patched.generate(turn2, max_new_tokens=4, do_sample=False, **{astrai_hf.cache_kwarg(patched): cache})
+        assert _used(pool) == 0
+
+
+def test_a_function_of_the_callers_named_like_a_flash_kernel_is_still_the_callers():
+    name = "astrai_test_flash_like"
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def warm(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        scaling = (scaling or query.shape[-1] ** -0.5) * 2.0
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("astrai_test_flash_like", warm)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    model.config._attn_implementation = name
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, **kw), ref)
+        assert astrai_hf.get_pool(model).stats()["prefix_query_tokens"] == 0  # ran stock
