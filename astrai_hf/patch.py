@@ -143,16 +143,7 @@ def patch(
         raise NotImplementedError(
             f"{type(model).__name__}: found no self-attention modules with a layer_idx; astrai-hf cannot patch it"
         )
-    for cls in {type(m) for m in modules}:
-        if not _uses_attention_interface(cls):
-            raise NotImplementedError(
-                f"{cls.__name__} computes attention without transformers' AttentionInterface, so paged attention "
-                f"cannot be routed into {type(model).__name__}; use PagedCache without patch() instead"
-            )
-    reason = unsupported_feature(model, modules)
-    if reason is not None:
-        raise NotImplementedError(f"{type(model).__name__}: {reason}; astrai-hf cannot patch it (stock generate() "
-                                  "and an unpatched model are unaffected)")
+    _check_attention_modules(model, modules)
     own_pool_kwargs = None
     if pool is None:
         pool = PagePool.from_model(model, **pool_kwargs)
@@ -164,13 +155,10 @@ def patch(
     pool.bind_model(model)
     attention.register()
 
-    configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
-    if not configs:
-        configs = [model.config]
     state = PatchState(
         pool=pool,
         cache_kwarg=cache_kwarg(model),
-        attn_configs=configs,
+        attn_configs=[],
         packable=_packable(model),
         pack_prefill=pack_prefill,
         prefill_chunk_tokens=prefill_chunk_tokens,
@@ -178,7 +166,6 @@ def patch(
         rope_by_length=rope_depends_on_length(model.config),
         embeds_token_types=embeds_token_types(model),
         own_pool_kwargs=own_pool_kwargs,
-        module_refs=[weakref.ref(m) for m in modules],
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
@@ -220,9 +207,7 @@ def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
     from . import patches  # per-family attention-forward patches, shipped as astrai_hf.patches
 
     state.family_undo = patches.apply(model, modules)
-    for m in modules:
-        setattr(m, _STATE_ATTR, state)
-        m.__reduce_ex__ = _OnInstance(_reduce_unpatched, m, None)
+    _attach_modules(model, state, modules)
     model.forward = _wrap_forward(model, model.forward, state)
     model.generate = _wrap_generate(model, model.generate, state)
     model.__deepcopy__ = _OnInstance(_deepcopy_patched, model, state)
@@ -838,6 +823,33 @@ def _own_attention(state: PatchState) -> str | None:
     return None
 
 
+def _check_attention_modules(model, modules: list, when: str = "") -> None:
+    """Raise NotImplementedError when paged attention cannot stand in for ``modules`` (``model``'s attention
+    modules): one computes attention without transformers' AttentionInterface, or :func:`unsupported_feature`
+    names a reason."""
+    for cls in {type(m) for m in modules}:
+        if not _uses_attention_interface(cls):
+            raise NotImplementedError(
+                f"{cls.__name__} computes attention without transformers' AttentionInterface, so paged attention "
+                f"cannot be routed into {type(model).__name__}{when}; use PagedCache without patch() instead"
+            )
+    reason = unsupported_feature(model, modules)
+    if reason is not None:
+        raise NotImplementedError(f"{type(model).__name__}{when}: {reason}; astrai-hf cannot patch it (stock "
+                                  "generate() and an unpatched model are unaffected)")
+
+
+def _attach_modules(model, state: PatchState, modules: list) -> None:
+    """Make ``modules`` run paged attention under ``state``: each carries the state (and pickles unpatched), and
+    the configs they read their attention implementation from are the ones a paged step switches."""
+    for m in modules:
+        setattr(m, _STATE_ATTR, state)
+        m.__reduce_ex__ = _OnInstance(_reduce_unpatched, m, None)
+    configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
+    state.attn_configs = configs or [model.config]
+    state.module_refs = [weakref.ref(m) for m in modules]
+
+
 def _sync_modules(model, state: PatchState) -> None:
     """Patch attention modules that joined the model since ``patch()`` (a layer deep-copied, swapped or added) as
     patch() patched the first ones; the settings that follow from the config are read again too (a RoPE switched
@@ -850,19 +862,8 @@ def _sync_modules(model, state: PatchState) -> None:
     modules = attention_modules(model, every_copy=True)
     if [id(m) for m in modules] == [id(ref()) for ref in state.module_refs]:
         return
-    for cls in {type(m) for m in modules}:
-        if not _uses_attention_interface(cls):
-            raise NotImplementedError(f"{cls.__name__}, now in {type(model).__name__}, computes attention without "
-                                      "transformers' AttentionInterface; unpatch the model first")
-    reason = unsupported_feature(model, modules)
-    if reason is not None:
-        raise NotImplementedError(f"{type(model).__name__} changed since patch(): {reason}")
-    for m in modules:
-        setattr(m, _STATE_ATTR, state)
-        m.__reduce_ex__ = _OnInstance(_reduce_unpatched, m, None)
-    configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
-    state.attn_configs = configs or [model.config]
-    state.module_refs = [weakref.ref(m) for m in modules]
+    _check_attention_modules(model, modules, " (it changed since patch())")
+    _attach_modules(model, state, modules)
     for runner in state.runners.values():  # captured over the modules that left
         runner.close()
     state.runners.clear()

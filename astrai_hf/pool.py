@@ -291,7 +291,7 @@ class PagePool:
         model = self.model
         if model is not None:
             self._model_fingerprint = self._fingerprint(model)
-            self._weights_version = _WeightsVersion(model)
+            self._weights_version = self._fingerprints[model][0]
         return dropped
 
     def _drop_prefixes(self) -> int:
@@ -333,7 +333,7 @@ class PagePool:
             dropped = self._drop_prefixes()
             logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
         self._model_ref, self._model_fingerprint = weakref.ref(model), digest
-        self._weights_version = _WeightsVersion(model)
+        self._weights_version = self._fingerprints[model][0]
 
     def check_weights(self, model: torch.nn.Module) -> None:
         """Bind ``model`` if the pool holds another model's K/V, and drop the cached prefixes if the bound model's
@@ -356,6 +356,8 @@ class PagePool:
             logger.info("the model's weights, hooks, adapters or module code changed: dropped %d cached prefix pages",
                         dropped)
             self._model_fingerprint = self._fingerprint(model)
+            self._weights_version = self._fingerprints[model][0]
+            return
         self._weights_version = _WeightsVersion(model)
 
     def _fingerprint(self, model: torch.nn.Module) -> str:
