@@ -942,8 +942,12 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
                 raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
         if attention_mask is None:
             attention_mask = _implied_mask(input_ids, kwargs, config)
+        elif attention_mask.dim() == 2 and attention_mask.shape != input_ids.shape:
+            # with no cache of the caller's the prompt starts at column 0: one mask entry per prompt token
+            raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not match input_ids of "
+                             f"shape {tuple(input_ids.shape)}; pass one mask entry per prompt token")
         elif attention_mask.shape != input_ids.shape:
-            attention_mask = None  # only the new columns were passed; nothing to match
+            attention_mask = None  # a mask of the caller's making (4D); the model applies it
         new_tokens = _check_length(input_ids, attention_mask, kwargs, config, pool, model)
         if attention_mask is None:
             input_ids = None
@@ -1059,6 +1063,9 @@ def _refuse_inner_padding(args: tuple, kwargs: dict, config) -> None:
         return
     mask = kwargs.get("attention_mask")
     mask = _implied_mask(input_ids, kwargs, config) if mask is None else mask
+    if mask.dim() == 2 and mask.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has {mask.shape[0]} rows for input_ids of "
+                         f"shape {tuple(input_ids.shape)}; pass one mask row per prompt row")
     if mask.dim() == 2 and mask.shape == input_ids.shape:
         left_padding(mask)
 

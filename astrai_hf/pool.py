@@ -40,7 +40,8 @@ class PagePool:
             the page count. Exclusive with ``max_tokens``. With neither, ``max_tokens`` defaults to 32768.
         page_size: token slots per page (>= 1).
         max_seq_len: longest row in tokens (padding excluded); defaults to the model's
-            ``max_position_embeddings``, capped by the pool's capacity.
+            ``max_position_embeddings``, capped by the pool's capacity. The ``req_to_token`` table is
+            ``[max_reqs + 1, min(max_seq_len, capacity)]`` int32.
         max_reqs: sequences alive at once across all caches on this pool (default 128).
         device: one device for every layer, or a sequence with one device per layer. Defaults to CPU.
         dtype: K/V dtype; defaults to the config's dtype, else float32.
@@ -110,7 +111,10 @@ class PagePool:
         # written by a later generate() outside that mode.
         with torch.inference_mode(False):
             self.storage = KVStorage(self.config)
-            self.req_to_token = ReqToTokenPool(max_reqs, max_seq_len, layer_devices[0])
+            # a row never holds more tokens than the pool has slots (its slots are distinct): a larger max_seq_len
+            # still bounds prompts (ValueError), a row past the capacity fails with CacheFullError, and the
+            # req_to_token table has no columns no row could fill
+            self.req_to_token = ReqToTokenPool(max_reqs, min(max_seq_len, capacity), layer_devices[0])
         self.prefix_cache = PrefixCache(self.allocator, page_size) if as_flag("prefix_cache", prefix_cache) else None
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         self._model_ref = None

@@ -2,6 +2,7 @@
 K/V): generate() with no length, candidate generation after a prefix hit, two models on one pool, weights changed in
 place, several threads, outputs of every position, and masks generate() cannot serve left-padded."""
 
+import re
 import threading
 
 import pytest
@@ -203,6 +204,27 @@ def test_masks_that_are_not_left_padded_get_clear_errors():
         with pytest.raises(ValueError, match="pad token inside a prompt"):
             model.generate(torch.tensor([[5, 6, 0, 7, 8]]), max_new_tokens=2)  # pad id 0 inside, no mask
         assert _used(model) == 0
+
+
+@pytest.mark.parametrize("shape", ["fewer rows", "more rows", "narrower", "wider"])
+def test_a_mask_of_another_shape_than_the_prompt_gets_a_clear_error(shape):
+    # stock raises from deep inside (or, for a wider mask, computes over columns no token fills); a mask of one
+    # row for two prompts had run as if every row had the first row's padding
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 6], seed=1)
+    bad = {"fewer rows": mask[:1], "more rows": torch.cat([mask, mask]), "narrower": mask[:, 1:],
+           "wider": torch.cat([torch.ones(2, 2, dtype=mask.dtype), mask], 1)}[shape]
+    with astrai_hf.patched(model):
+        with pytest.raises(ValueError, match=re.escape(f"attention_mask of shape {tuple(bad.shape)}")):
+            model.generate(ids, attention_mask=bad, max_new_tokens=2)
+        assert _used(model) == 0
+        if shape.endswith("rows"):  # with a cache of the caller's too
+            cache = astrai_hf.PagedCache(astrai_hf.get_pool(model))
+            with pytest.raises(ValueError, match="rows for input_ids of shape"):
+                model.generate(ids, attention_mask=bad, max_new_tokens=2, past_key_values=cache)
+            cache.release()
+            assert _used(model) == 0
+        assert model.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (2, 8)  # a right one still runs
 
 
 def test_an_empty_batch_gets_a_clear_error():

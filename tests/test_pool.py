@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import astrai_hf
-from astrai_hf import PagedCache, PagePool
-from tiny_models import tiny_model
+from astrai_hf import CacheFullError, PagedCache, PagePool
+from tiny_models import left_padded_batch, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,22 @@ def test_sizing_and_stats(llama):
     assert pool.storage.k[0].shape == (7 * 16, 2, 16)
     assert pool.req_to_token.table.dtype == torch.int32
     assert pool.max_seq_len == 96  # capped by capacity (max_position_embeddings is 256)
+
+
+def test_the_slot_table_of_a_large_max_seq_len_is_no_wider_than_the_pool(llama):
+    # no row can hold more tokens than the pool has slots; max_seq_len=10**6 on a 64-token pool had taken a 1 GB
+    # req_to_token table (10**9: an allocation error from torch). A row past the capacity still gets CacheFullError.
+    for asked in (10**6, 10**9):
+        pool = PagePool.from_model(llama, max_tokens=64, page_size=16, max_seq_len=asked)
+        assert pool.max_seq_len == asked and pool.req_to_token.table.shape[1] == 64
+        ids, mask = left_padded_batch([30, 20])
+        with astrai_hf.patched(llama, pool=pool):
+            with pytest.raises(CacheFullError, match="free"):
+                llama.generate(ids, attention_mask=mask, max_new_tokens=60, min_new_tokens=60)
+            assert pool.stats()["num_used_pages"] == 0
+            out = llama.generate(ids[1:, 10:], max_new_tokens=40, min_new_tokens=40)  # 60 tokens: fits
+        assert out.shape == (1, 60)
+    assert PagePool.from_model(llama, max_tokens=64, page_size=16, max_seq_len=40).req_to_token.table.shape[1] == 40
 
 
 def test_memory_fraction_sizing(llama):
