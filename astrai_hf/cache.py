@@ -728,7 +728,13 @@ class PagedCache(Cache):
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns of the rectangle generate() has fed so far (padding included)."""
+        """Columns of the rectangle generate() has fed so far (padding included). A layer asking during a forward,
+        before it stored that forward's K/V, gets the columns before the forward, as from ``DynamicCache``, whose
+        layers fill one by one (Llama 4's NoPE layers scale their queries by positions counted so)."""
+        step = self._step
+        if (step is not None and self._step_layers and layer_idx not in self._step_layers
+                and len(self._step_layers) < self._num_storing_layers):
+            return self.logical_len - step.q_len
         return self.logical_len - self._pending_q
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:

@@ -48,7 +48,11 @@ class KVSpec:
                 f"cannot read num_hidden_layers / num_attention_heads from {type(config).__name__}; "
                 "a decoder-only language model config is expected"
             )
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None)
+        if num_kv_heads is None and getattr(text, "multi_query", False) is True and not getattr(
+                text, "new_decoder_architecture", False):
+            num_kv_heads = 1  # a config that predates the name: one K/V head (the original Falcon-7B layout)
+        num_kv_heads = num_kv_heads or num_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         return cls(int(num_layers), int(num_kv_heads), int(head_dim), getattr(text, "model_type", "") or "",
                    kv_sharing_sources(text, int(num_layers)))

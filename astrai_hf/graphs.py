@@ -17,6 +17,7 @@ Without CUDA (tests), the same runner works as a stand-in: "capture" runs the fo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 
@@ -82,6 +83,7 @@ class GraphStep:
     paged = True
     is_packed = False
     graph = True
+    q_len = 1
     write_src = None
     group = 1
 
@@ -128,6 +130,27 @@ def graph_decode_attention(query, k_cache, v_cache, step: GraphStep, *, scaling,
     return out.transpose(1, 2).contiguous()
 
 
+def length_readers(model: torch.nn.Module) -> list[str]:
+    """Class names of ``model``'s attention modules whose ``forward`` calls ``get_seq_length()`` on the cache
+    (Llama 4's NoPE layers count their query positions from it): each step they compute on a host integer, which
+    a replayed graph would keep from its capture."""
+    from .pool import attention_modules
+
+    names = []
+    for cls in dict.fromkeys(type(m) for m in attention_modules(model, every_copy=True)):
+        for klass in cls.__mro__:  # a subclass's forward may call its parent's
+            if "forward" not in vars(klass) or klass.__module__.startswith("torch."):
+                continue
+            try:
+                source = inspect.getsource(vars(klass)["forward"])
+            except (OSError, TypeError):
+                continue
+            if "get_seq_length" in source:
+                names.append(cls.__name__)
+                break
+    return names
+
+
 class DecodeGraphRunner:
     """Runs the decode steps of a patched model from per-bucket graphs over one :class:`DecodeWorkspace`.
 
@@ -150,6 +173,11 @@ class DecodeGraphRunner:
         with torch.inference_mode(False):  # written by every later step, inside inference_mode() or not
             self.workspace = DecodeWorkspace(self.max_batch, pool.req_to_token.trash_row, device)
         self.graphs: dict[int, object] = {}
+        # a layer that asks the cache for its length gets a Python int, which a graph would keep from its capture
+        self.length_readers = length_readers(model)
+        if self.length_readers:
+            logger.debug("decode runner: %s read the cache length in their forward; decode steps run eagerly",
+                         ", ".join(self.length_readers))
         self._mempool = None
         self.replays = 0  # decode steps run through the runner
         self.captured: list[int] = []  # buckets captured, in order
@@ -170,6 +198,8 @@ class DecodeGraphRunner:
     def can_run(self, step: StepMetadata, kwargs: dict, input_ids) -> bool:
         """A one-token-per-row step of a plain forward that fits a bucket."""
         if self.workspace is None or input_ids is None or input_ids.shape[1] != 1 or step.is_packed:
+            return False
+        if self.length_readers:
             return False
         if step.group != 1 or self.bucket_for(input_ids.shape[0]) is None:
             return False

@@ -91,10 +91,14 @@ def _count_paged_attention_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("layout", ["new decoder architecture", "multi-query (Falcon-7B)"])
 @pytest.mark.parametrize("mode", ["greedy", "beam_search"])
-def test_falcon_unpatched_paged_cache_equals_dynamic_cache(mode):
-    """Falcon cannot be patched (its attention bypasses AttentionInterface), but a PagedCache still serves it."""
-    model = tiny_model("falcon")
+def test_falcon_unpatched_paged_cache_equals_dynamic_cache(mode, layout):
+    """Falcon cannot be patched (its attention bypasses AttentionInterface), but a PagedCache still serves it. The
+    Falcon-7B layout's config has no num_key_value_heads: its one K/V head is read from multi_query (the pool had
+    been sized for one head per query head and refused the model's K/V)."""
+    old = dict(new_decoder_architecture=False, multi_query=True, num_kv_heads=None)
+    model = tiny_model("falcon", **(old if layout.startswith("multi") else {}))
     ids, mask = left_padded_batch([7, 3, 10], seed=1)
     ref = _generate(model, ids, mask, **MODES[mode])
     pool = PagePool.from_model(model, max_tokens=1024, page_size=4)

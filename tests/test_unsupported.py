@@ -194,6 +194,57 @@ def test_chunked_attention_is_served_by_a_pool_no_longer_than_a_chunk():
     assert torch.equal(model.generate(_IDS, **{**_KW, "max_new_tokens": 9}), stock)
 
 
+@pytest.mark.parametrize("paged", ["patched", "PagedCache alone"])
+def test_llama4_temperature_tuning_counts_query_positions_as_stock(paged):
+    # Llama 4's NoPE layers scale their queries by positions counted from cache.get_seq_length(layer_idx) before
+    # they store the step's K/V; the cache had answered with the step included once layer 0 had stored it, so every
+    # later NoPE layer scaled by positions shifted by the step's width (the whole prompt at prefill)
+    from tiny_models import left_padded_batch
+
+    chunk = 32
+    torch.manual_seed(1)
+    model = T.Llama4ForCausalLM(T.Llama4TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4, "head_dim": 16}, intermediate_size_mlp=128, num_local_experts=1,
+        num_experts_per_tok=1, no_rope_layers=[1, 0, 1, 0], attention_chunk_size=chunk, attn_temperature_tuning=True,
+        floor_scale=4, attn_scale=1.0)).eval()
+    ids, mask = left_padded_batch([9, 5, 12], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None,
+              return_dict_in_generate=True, output_logits=True)
+    stock = model.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4, max_seq_len=chunk)
+    if paged == "patched":
+        with astrai_hf.patched(model, pool=pool):
+            runs = [model.generate(ids, **kw) for _ in range(2)]  # the second from the prefix cache
+    else:
+        runs = [model.generate(ids, **kw, past_key_values=astrai_hf.PagedCache(pool, ids, mask))]
+    for out in runs:
+        assert torch.equal(out.sequences, stock.sequences)
+        for got, ref in zip(out.logits, stock.logits):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0 or paged != "patched"
+
+
+@pytest.mark.parametrize("tuning", [False, True])
+def test_decode_graphs_leave_out_layers_that_read_the_cache_length(tuning):
+    # the length such a layer reads is a host integer: a replayed graph would keep the one of its capture (on a CPU
+    # the runner's stand-in reruns the forward, so only whether a step went through it is checked here)
+    model = _build("llama4_chunked")
+    model.config.attn_temperature_tuning = tuning
+    for layer in model.model.layers:
+        layer.self_attn.attn_temperature_tuning = tuning
+    pool = PagePool.from_model(model, max_tokens=512, max_seq_len=4)
+    with astrai_hf.patched(model, pool=pool, cuda_graphs=True):
+        model.generate(_IDS[:, :2], **{**_KW, "attention_mask": torch.ones_like(_IDS[:, :2]), "max_new_tokens": 2})
+        (runner,) = model._astrai_patch_state.runners.values()
+    assert runner.length_readers == ["Llama4TextAttention"]  # the source asks, whatever the setting
+    assert runner.replays == 0
+    llama = T.LlamaForCausalLM(T.LlamaConfig(**_COMMON)).eval()
+    with astrai_hf.patched(llama, cuda_graphs=True):
+        llama.generate(_IDS, **_KW)
+        (runner,) = llama._astrai_patch_state.runners.values()
+    assert runner.length_readers == [] and runner.replays == 3
+
+
 @pytest.mark.parametrize("shared", [0, 2])
 def test_kv_sharing_layers_read_their_source_layers_pages(shared):
     # Gemma 3n E2B/E4B: the last layers attend over the K/V of the last earlier layer of their type; the pool keeps
