@@ -568,10 +568,23 @@ def _as_device(device) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is not a torch device") from e
+    # as tensors report it (torch.device("cuda") != torch.device("cuda:0"), and CPU tensors carry no index), so that
+    # a layer's K/V compare equal to the device the pool keeps them on
+    if device.type == "cpu":
+        return torch.device("cpu")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= count:
             raise ValueError(f"device {str(device)!r}: this process sees {count} CUDA devices")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.index is None and device.type != "meta":
+        backend = getattr(torch, device.type, None)
+        try:
+            index = backend.current_device()
+        except Exception:  # a backend without the notion (mps): its tensors report index 0
+            index = 0
+        device = torch.device(device.type, index if isinstance(index, int) else 0)
     return device
 
 

@@ -42,6 +42,23 @@ def test_the_slot_table_of_a_large_max_seq_len_is_no_wider_than_the_pool(llama):
     assert PagePool.from_model(llama, max_tokens=64, page_size=16, max_seq_len=40).req_to_token.table.shape[1] == 40
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0), ["cpu:0", "cpu"]])
+def test_a_device_spelled_with_an_index_is_the_device_the_model_reports(llama, device):
+    # tensors report "cpu" (and "cuda:0" where "cuda" was asked for): the pool's device had compared unequal to the
+    # model's layers, and both patch() and a PagedCache refused the pool
+    ids, mask = left_padded_batch([6, 4])
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    ref = llama.generate(ids, **kw)
+    devices = device if isinstance(device, list) else [device]
+    pool = PagePool.from_model(llama, max_tokens=256, device=device)
+    assert all(d == torch.device("cpu") for d in pool.config.layer_devices)
+    assert torch.equal(llama.generate(ids, **kw, past_key_values=PagedCache(pool, ids, mask)), ref)
+    with astrai_hf.patched(llama, pool=pool):
+        assert torch.equal(llama.generate(ids, **kw), ref)
+    with astrai_hf.patched(llama, device=devices[0], max_tokens=256):
+        assert torch.equal(llama.generate(ids, **kw), ref)
+
+
 def test_memory_fraction_sizing(llama):
     pool = PagePool.from_model(llama, memory_fraction=1e-6, page_size=16)
     assert pool.stats()["num_pages"] >= 1

@@ -156,3 +156,12 @@ def test_graph_replay_equals_the_same_kernels_run_without_a_graph(model, batch):
     worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(eager.logits[:steps], graph.logits[:steps]))
     print(f"batch {batch}: largest logit difference, graph against no graph, {worst:.4g} over {steps} steps")
     assert worst <= GRAPH_ATOL
+
+
+def test_a_pool_on_cuda_without_an_index_serves_the_model_on_cuda_0(model):
+    # torch.device("cuda") != torch.device("cuda:0"), which the model's layers report
+    pool = PagePool.from_model(model, max_tokens=2048, device="cuda")
+    assert all(d == torch.device("cuda", torch.cuda.current_device()) for d in pool.config.layer_devices)
+    ids, mask = _prompts(model, 2, seed=5)
+    out, _ = _generate(model, pool, ids, mask, graphs=False)
+    assert out.sequences.shape == (2, ids.shape[1] + NEW)
