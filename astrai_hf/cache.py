@@ -228,6 +228,43 @@ class PagedCache(Cache):
         self.logical_len = 0
         self.prefix_hit_tokens = [0] * len(self.prefix_hit_tokens)
 
+    def check_continued_by(self, input_ids: torch.Tensor) -> None:
+        """Raise unless ``input_ids`` continues what this cache holds, as ``generate()`` with a cache expects: the
+        whole sequence so far, [B, W] with more columns than the cache holds, each row starting with the tokens whose
+        K/V the cache stored (where it recorded their ids: a forward fed ``inputs_embeds`` records none). A patched
+        ``generate()`` calls it for a cache of the caller's; the cache is left as it is.
+
+        Raises:
+            ValueError: the cache holds as many columns as ``input_ids`` or more (the same cache passed to a second
+                call with the same prompt), or a row of ``input_ids`` starts with other tokens than the row's.
+        """
+        L, rows = self.logical_len, self._rows
+        if not rows.req_rows or not L or input_ids.dim() != 2:
+            return
+        B, W = input_ids.shape
+        if W <= L:
+            raise ValueError(
+                f"this PagedCache already holds {L} columns and input_ids has {W}: generate() with a cache takes the "
+                "whole sequence so far, the tokens the cache holds followed by new ones. To start over, pass a fresh "
+                "PagedCache(pool) or call cache.reset() first"
+            )
+        if len(rows.req_rows) != B or self._num_pad is None:
+            return
+        token_ids = self.pool.req_to_token.token_ids
+        for r, (row, pad, known) in enumerate(zip(rows.req_rows, self._num_pad, rows.known)):
+            n = min(known, L - pad)
+            if n <= 0:
+                continue
+            held = token_ids[row, :n].to(input_ids.device)
+            given = input_ids[r, pad : pad + n]
+            if not torch.equal(held, given.to(held.dtype)):
+                j = int((held != given.to(held.dtype)).nonzero()[0])
+                raise ValueError(
+                    f"row {r} of input_ids does not start with the {n} tokens this PagedCache holds K/V for: token {j} "
+                    f"(column {pad + j}) is {int(given[j])}, the cache's is {int(held[j])}. Pass the sequence the "
+                    "cache was filled with followed by the new tokens, or a fresh PagedCache(pool)"
+                )
+
     def check_prefix_hits(self) -> None:
         """Raise if the prefixes this cache started with were dropped from the prefix cache since it matched them:
         the pool was bound to another model or saw the weights change (:meth:`PagePool.check_weights`), so their

@@ -742,7 +742,7 @@ def _wrap_generate(owner, generate, state: PatchState):
             given.forget_prefix_hits()
             given.verifies_candidates = _candidate_decoding(kwargs, config)
         if isinstance(given, PagedCache):
-            _refuse_inner_padding(args, kwargs, config)
+            _check_callers_cache(given, args, kwargs, config)
         if given is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
         other = _other_inputs(kwargs)
@@ -1051,12 +1051,14 @@ def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor
     return (~padded).to(input_ids.dtype)
 
 
-def _refuse_inner_padding(args: tuple, kwargs: dict, config) -> None:
+def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -> None:
     """generate() with a PagedCache of the caller's gets the check a call without one gets: a mask (or the one
-    generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache.
+    generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache. And the prompt
+    must continue what the cache holds (:meth:`PagedCache.check_continued_by`).
 
     Raises:
-        ValueError: from :func:`~astrai_hf.cache.left_padding`, naming the rows.
+        ValueError: from :func:`~astrai_hf.cache.left_padding`, naming the rows; a mask of another row count than
+            the prompt; a prompt that does not continue the cache.
     """
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
@@ -1068,6 +1070,7 @@ def _refuse_inner_padding(args: tuple, kwargs: dict, config) -> None:
                          f"shape {tuple(input_ids.shape)}; pass one mask row per prompt row")
     if mask.dim() == 2 and mask.shape == input_ids.shape:
         left_padding(mask)
+    cache.check_continued_by(input_ids)
 
 
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, model=None) -> int:

@@ -227,6 +227,36 @@ def test_a_mask_of_another_shape_than_the_prompt_gets_a_clear_error(shape):
         assert model.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (2, 8)  # a right one still runs
 
 
+@pytest.mark.parametrize("misuse", ["the same prompt again", "a shorter prompt", "another prompt"])
+def test_a_cache_of_the_callers_that_the_prompt_does_not_continue_is_refused(misuse):
+    # stock generate() runs such calls on stale K/V and returns whatever follows; a patched one had too (and other
+    # tokens than stock's), where the cache knows the tokens it holds
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 8], seed=1)
+    other, other_mask = left_padded_batch([5, 8], seed=2)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    with astrai_hf.patched(model, max_tokens=1024):
+        pool = astrai_hf.get_pool(model)
+        model.generate(ids, attention_mask=mask, **kw)  # cached: a cache built for this prompt starts pre-filled
+        cache = astrai_hf.PagedCache(pool, ids, mask)
+        if misuse == "another prompt":
+            assert cache.get_seq_length() > 0
+            with pytest.raises(ValueError, match=r"row 0 of input_ids does not start with the \d+ tokens"):
+                model.generate(other, attention_mask=other_mask, past_key_values=cache, **kw)
+        else:
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+            again = (ids, mask) if misuse == "the same prompt again" else (out[:, :6], mask[:, :6])
+            with pytest.raises(ValueError, match=r"already holds 11 columns and input_ids has (8|6)"):
+                model.generate(again[0], attention_mask=again[1], past_key_values=cache, **kw)
+            # what the cache holds, continued, still runs, as stock over the whole sequence
+            longer = torch.cat([out, torch.full((2, 1), 7)], 1)
+            longer_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1)
+            got = model.generate(longer, attention_mask=longer_mask, past_key_values=cache, **kw)
+            assert torch.equal(got, model.__class__.generate(model, longer, attention_mask=longer_mask, **kw))
+        cache.release()
+        assert _used(model) == 0
+
+
 def test_an_empty_batch_gets_a_clear_error():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([3, 5])
