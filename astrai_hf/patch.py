@@ -942,6 +942,9 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
                 raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
         if attention_mask is None:
             attention_mask = _implied_mask(input_ids, kwargs, config)
+        elif (attention_mask.dim() == 2 and attention_mask.shape == (1, input_ids.shape[1])
+              and bool(attention_mask.all())):
+            attention_mask = attention_mask.expand_as(input_ids)  # one row of ones: stock broadcasts it
         elif attention_mask.dim() == 2 and attention_mask.shape != input_ids.shape:
             # with no cache of the caller's the prompt starts at column 0: one mask entry per prompt token
             raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not match input_ids of "

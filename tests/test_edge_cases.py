@@ -227,6 +227,17 @@ def test_a_mask_of_another_shape_than_the_prompt_gets_a_clear_error(shape):
         assert model.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (2, 8)  # a right one still runs
 
 
+def test_one_row_of_ones_as_the_mask_of_a_batch_is_broadcast_as_in_stock():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(1, 6, dtype=torch.long)
+    ref = model.generate(ids, attention_mask=ones, max_new_tokens=3, do_sample=False)
+    with astrai_hf.patched(model):
+        for _ in range(2):  # the second from the prefix cache
+            assert torch.equal(model.generate(ids, attention_mask=ones, max_new_tokens=3, do_sample=False), ref)
+        assert _used(model) == 0
+
+
 @pytest.mark.parametrize("misuse", ["the same prompt again", "a shorter prompt", "another prompt"])
 def test_a_cache_of_the_callers_that_the_prompt_does_not_continue_is_refused(misuse):
     # stock generate() runs such calls on stale K/V and returns whatever follows; a patched one had too (and other
