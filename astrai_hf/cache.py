@@ -183,8 +183,14 @@ class PagedCache(Cache):
         self.checked_model: int | None = None  # id() of the model a patched forward last checked this cache for
         self.step_saw_positions = False
         self._pads_on_device: tuple | None = None  # ((num_pad, B, device), [B] tensor) for _note_positions
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if input_ids is None:
             return
+        for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__} (a tokenizer gives "
+                                "tensors with return_tensors='pt')")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:

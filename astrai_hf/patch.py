@@ -111,6 +111,8 @@ def patch(
             attention (Llama 4) with a
             pool whose ``max_seq_len`` exceeds the chunk.
         ValueError / TypeError: ``pool`` is not a PagePool or does not fit the model; a flag is not a bool.
+        TypeError: ``model`` is not a ``torch.nn.Module``, or has no ``generate()`` (a bare decoder such as
+            ``LlamaModel``). A failed ``patch()`` leaves the model as it was.
     """
     if prefill_chunk_tokens is not None:
         prefill_chunk_tokens = as_count("prefill_chunk_tokens", prefill_chunk_tokens, 1)
@@ -119,8 +121,14 @@ def patch(
         cuda_graphs = as_flag("cuda_graphs", cuda_graphs)
     if pool is not None and not isinstance(pool, PagePool):
         raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}: {pool!r}")
-    given, model = model, _underlying(model)
+    given, model = model, _underlying(_as_module("patch()", model))
     state = getattr(model, _STATE_ATTR, None)
+    if state is None and not callable(getattr(model, "generate", None)):
+        raise TypeError(
+            f"{type(model).__name__} has no generate(): patch() takes a model with a language-modelling head (e.g. "
+            "AutoModelForCausalLM), whose generate() it routes through the pool. For a bare decoder, pass a "
+            "PagedCache to its forward yourself"
+        )
     if state is not None:
         if pool is not None and pool_kwargs:
             raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
@@ -175,8 +183,12 @@ def patch(
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch`: the model behaves exactly as before it was patched. A no-op on an unpatched model."""
-    given, model = model, _underlying(model)
+    """Undo :func:`patch`: the model behaves exactly as before it was patched. A no-op on an unpatched model.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+    """
+    given, model = model, _underlying(_as_module("unpatch()", model))
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         get_base_model = getattr(model, "get_base_model", None)  # a peft wrapper of a model patched before it
@@ -189,6 +201,13 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         runner.close()
     logger.info("unpatched %s", type(model).__name__)
     return given
+
+
+def _as_module(caller: str, model) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller} takes a transformers model (a torch.nn.Module), got {type(model).__name__}: "
+                        f"{model!r:.80}")
+    return model
 
 
 def _underlying(model: torch.nn.Module) -> torch.nn.Module:
@@ -206,13 +225,18 @@ def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
     state.saved_attrs = {name: model.__dict__[name] for name in _INSTALLED if name in model.__dict__}
     from . import patches  # per-family attention-forward patches, shipped as astrai_hf.patches
 
-    state.family_undo = patches.apply(model, modules)
-    _attach_modules(model, state, modules)
-    model.forward = _wrap_forward(model, model.forward, state)
-    model.generate = _wrap_generate(model, model.generate, state)
-    model.__deepcopy__ = _OnInstance(_deepcopy_patched, model, state)
-    model.__reduce_ex__ = _OnInstance(_reduce_unpatched, model, state)
-    setattr(model, _STATE_ATTR, state)
+    state.family_undo = []
+    try:
+        state.family_undo = patches.apply(model, modules)
+        _attach_modules(model, state, modules)
+        model.forward = _wrap_forward(model, model.forward, state)
+        model.generate = _wrap_generate(model, model.generate, state)
+        model.__deepcopy__ = _OnInstance(_deepcopy_patched, model, state)
+        model.__reduce_ex__ = _OnInstance(_reduce_unpatched, model, state)
+        setattr(model, _STATE_ATTR, state)
+    except BaseException:
+        _uninstall(model, state)  # nothing half-installed is left on the model
+        raise
 
 
 class _OnInstance:
@@ -353,7 +377,7 @@ def get_pool(model: torch.nn.Module) -> PagePool:
     Raises:
         ValueError: the model is not patched.
     """
-    state = getattr(_underlying(model), _STATE_ATTR, None)
+    state = getattr(_underlying(_as_module("get_pool()", model)), _STATE_ATTR, None)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
     return state.pool

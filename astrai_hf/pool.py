@@ -142,6 +142,9 @@ class PagePool:
             ValueError: as for :class:`PagePool`, or the model's KV heads do not split into whole heads per
                 tensor-parallel rank.
         """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"PagePool.from_model takes a transformers model (a torch.nn.Module), got "
+                            f"{type(model).__name__}; for a config, use PagePool(config, ...)")
         reason = unsupported_model(model)
         if reason is not None:
             raise NotImplementedError(f"{type(model).__name__}: {reason}; a PagePool cannot hold its cache")

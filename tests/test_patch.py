@@ -132,6 +132,51 @@ def test_bad_arguments_are_named():
     assert PagePool.from_model(model, max_tokens=256, prefix_cache=np.False_).prefix_cache is None
 
 
+@pytest.mark.parametrize("what", ["bare decoder", "not a model"])
+def test_what_patch_cannot_take_is_refused_before_anything_is_installed(what):
+    # patch(LlamaModel) had installed its forward wrapper and module state, then failed on the missing generate():
+    # the model was left half patched (and torch.save of it failed)
+    import pickle
+
+    model = tiny_model("llama")
+    target = model.model if what == "bare decoder" else model.config
+    before = dict(vars(target)) if what == "bare decoder" else None
+    error = "LlamaModel has no generate\\(\\)" if what == "bare decoder" else "takes a transformers model .* got LlamaConfig"
+    with pytest.raises(TypeError, match=error):
+        astrai_hf.patch(target)
+    if what == "bare decoder":
+        assert vars(target).keys() == before.keys()
+        assert all("_astrai" not in k for m in target.modules() for k in vars(m))
+        pickle.dumps(target)
+    for call in (astrai_hf.unpatch, astrai_hf.get_pool, PagePool.from_model):
+        with pytest.raises(TypeError, match="takes a transformers model"):
+            call(None)
+    pool = PagePool.from_model(model, max_tokens=256)
+    ids, mask = left_padded_batch([5, 3])
+    with pytest.raises(TypeError, match="input_ids must be a torch.Tensor, got list"):
+        astrai_hf.PagedCache(pool, ids.tolist())
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module or None, got str"):
+        astrai_hf.PagedCache(pool, ids, mask, model="x")
+
+
+def test_a_patch_that_fails_midway_leaves_the_model_as_it_was(monkeypatch):
+    import importlib
+
+    patch_module = importlib.import_module("astrai_hf.patch")
+
+    model = tiny_model("llama")
+    before = {m: dict(vars(m)) for m in model.modules()}
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(patch_module, "_wrap_generate", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        astrai_hf.patch(model, max_tokens=256)
+    assert not astrai_hf.is_patched(model)
+    assert all(vars(m).keys() == before[m].keys() for m in model.modules())
+
+
 @pytest.mark.parametrize("sizing", [{}, {"max_tokens": 512, "page_size": 8}])
 def test_a_model_moved_to_another_dtype_after_patch_gets_a_new_pool(sizing):
     # patch(model) then model.to(...): the pool patch() built follows the model, with the same sizing
