@@ -18,7 +18,10 @@ DEMO_TURNS = [
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -37,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", parents=[with_model],
                           help="multi-turn chat through the patched generate(), then a side-by-side table")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=48)
     gen = sub.add_parser("generate", parents=[with_model], help="answer one prompt (chat template), streamed")
     gen.add_argument("prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     run = sub.add_parser("run", help="run an unmodified Python script with every generate() patched (zero-code)")
-    run.add_argument("--max-tokens", type=int, default=None, help="token capacity of each model's pool")
-    run.add_argument("--page-size", type=int, default=None, help="tokens per page")
+    run.add_argument("--max-tokens", type=_positive_int, default=None, help="token capacity of each model's pool")
+    run.add_argument("--page-size", type=_positive_int, default=None, help="tokens per page")
     run.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     run.add_argument("--report", action="store_true",
                      help="print the pool statistics of each patched model still alive when the script ends")
@@ -70,16 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     from .models import load_model
 
+    if args.command == "bench" and args.plot is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)  # a bad path fails now, not after the suites ran
     try:
         model, tokenizer = load_model(args.model)
-    except (FileNotFoundError, OSError) as e:  # a model folder or id that is not there: one line, not a traceback
-        print(f"astrai-hf: cannot load the model: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # not there, or not a causal LM: one line, not a traceback
+        print(f"astrai-hf: cannot load the model: {_first_line(e)}", file=sys.stderr)
         return 2
-    if args.command == "demo":
-        return _demo(model, tokenizer, args.max_new_tokens)
-    if args.command == "generate":
-        return _generate(model, tokenizer, args.prompt, args.max_new_tokens, args.sample)
+    try:
+        if args.command == "demo":
+            return _demo(model, tokenizer, args.max_new_tokens)
+        if args.command == "generate":
+            return _generate(model, tokenizer, args.prompt, args.max_new_tokens, args.sample)
+    except (NotImplementedError, ValueError) as e:  # a model astrai-hf cannot patch, a prompt the model cannot take
+        print(f"astrai-hf: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     return _bench(model, tokenizer, args.out, args.suite, args.plot, args.repeats)
+
+
+def _first_line(error: Exception) -> str:
+    """An error's first line (transformers lists every model class it knows after it)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _run_script(args) -> int:
@@ -88,6 +103,10 @@ def _run_script(args) -> int:
 
     import astrai_hf.patches.autopatch as autopatch
 
+    script = Path(args.script)
+    if not script.is_file():
+        print(f"astrai-hf run: no such script: {args.script}", file=sys.stderr)
+        return 2
     env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
            "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
     os.environ.update({k: str(v) for k, v in env.items() if v is not None})
@@ -99,14 +118,20 @@ def _run_script(args) -> int:
         handler.setFormatter(logging.Formatter("%(message)s"))
         autopatch.logger.addHandler(handler)
         autopatch.logger.setLevel(logging.INFO)
-    autopatch.install()
-    saved_argv = sys.argv
+    try:
+        autopatch.install()
+    except (ValueError, TypeError) as e:  # an ASTRAI_HF_* variable that is not a setting
+        print(f"astrai-hf run: {e}", file=sys.stderr)
+        return 2
+    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [args.script, *args.args]
+    sys.path.insert(0, str(script.resolve().parent))  # as `python script.py`: the script imports its neighbours
     namespace = None  # the script's globals, kept for the report: a model the script holds there is still alive
     try:
         namespace = runpy.run_path(args.script, run_name="__main__")
     finally:
         sys.argv = saved_argv
+        sys.path[:] = saved_path
         if args.report:
             import astrai_hf
 

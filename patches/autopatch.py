@@ -7,7 +7,8 @@ never imports astrai-hf. ``astrai-hf run script.py ARGS`` installs the hook and 
 with a warning in the log.
 
 Pool settings come from :func:`install`'s arguments, or from the environment (``astrai-hf run`` fills it):
-``ASTRAI_HF_MAX_TOKENS``, ``ASTRAI_HF_PAGE_SIZE``, ``ASTRAI_HF_PREFIX_CACHE`` (``0`` turns the prefix cache off).
+``ASTRAI_HF_MAX_TOKENS``, ``ASTRAI_HF_PAGE_SIZE``, ``ASTRAI_HF_PREFIX_CACHE`` (``0``, ``false``, ``no`` or ``off``
+turns the prefix cache off).
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ def settings_from_env(environ=None) -> dict:
                 out[key] = int(environ[var])
             except ValueError:
                 raise ValueError(f"{var}={environ[var]!r} is not an integer") from None
-    if environ.get("ASTRAI_HF_PREFIX_CACHE", "1") == "0":
+    flag = environ.get("ASTRAI_HF_PREFIX_CACHE", "").strip().lower()
+    if flag in _OFF:
         out["prefix_cache"] = False
+    elif flag not in _ON:
+        raise ValueError(f"ASTRAI_HF_PREFIX_CACHE={environ['ASTRAI_HF_PREFIX_CACHE']!r}: use 0/false/no/off or "
+                         "1/true/yes/on")
     return out
+
+
+_OFF, _ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 
 
 def install(**pool_kwargs) -> None:
@@ -48,12 +56,20 @@ def install(**pool_kwargs) -> None:
     Args:
         **pool_kwargs: sizing for each model's pool, as for :class:`astrai_hf.PagePool`; defaults come from
             :func:`settings_from_env`.
+
+    Raises:
+        ValueError / TypeError: a size is not a positive integer (checked now, not at the first generate()).
     """
     from transformers.generation.utils import GenerationMixin
+
+    from astrai_hf.config import as_count
 
     if "generate" in _installed:
         return
     settings = {**settings_from_env(), **pool_kwargs}
+    for name in ("max_tokens", "page_size", "max_seq_len", "max_reqs"):
+        if settings.get(name) is not None:
+            as_count(name, settings[name], 1)
     original = GenerationMixin.generate
 
     @functools.wraps(original)
@@ -63,12 +79,14 @@ def install(**pool_kwargs) -> None:
         # A patched model's own generate() (an instance attribute) comes back here for the stock loop.
         if astrai_hf.is_patched(self) or self in _models:
             return original(self, *args, **kwargs)
-        _models.add(self)
         try:
             astrai_hf.patch(self, **settings)
         except NotImplementedError as e:
+            _models.add(self)
             logger.warning("astrai-hf left %s unpatched: %s", type(self).__name__, e)
             return original(self, *args, **kwargs)
+        # (any other error propagates, and the next call tries again: never a silent switch to stock generate())
+        _models.add(self)
         logger.info("astrai-hf patched %s: %s", type(self).__name__, astrai_hf.get_pool(self))
         return self.generate(*args, **kwargs)
 

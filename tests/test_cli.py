@@ -48,3 +48,37 @@ def test_bench_repeats_below_one_is_refused_naming_the_value(value, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--suite", "prefill", "--repeats", value])
     assert f"must be at least 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--max-new-tokens", "0"], ["demo", "--max-new-tokens", "-3"],
+                                  ["generate", "hi", "--max-new-tokens", "many"]])
+def test_new_token_counts_below_one_are_refused_naming_the_value(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert f"got {argv[-1]}" in capsys.readouterr().err.replace("'", "")
+
+
+def test_a_folder_that_is_not_a_causal_lm_is_one_line(tmp_path, capsys):
+    import transformers
+
+    transformers.T5Config().save_pretrained(tmp_path)
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("astrai-hf: cannot load the model: ") and "\n" not in err
+
+
+def test_a_model_astrai_hf_cannot_patch_is_one_line(monkeypatch, capsys):
+    from tiny_models import tiny_model
+
+    monkeypatch.setattr(astrai_hf.models, "load_model", lambda path=None: (tiny_model("falcon"), None))
+    assert main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("astrai-hf: NotImplementedError: ") and "FalconAttention" in err
+
+
+def test_a_plot_path_in_a_folder_not_there_yet_is_made_before_the_suites_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(astrai_hf.models, "load_model", lambda path=None: (_ for _ in ()).throw(_Loaded(path)))
+    plot = tmp_path / "new" / "folder" / "chart.png"
+    with pytest.raises(_Loaded):
+        main(["bench", "--plot", str(plot)])
+    assert plot.parent.is_dir()

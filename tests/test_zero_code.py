@@ -88,6 +88,42 @@ def test_settings_from_env():
     assert autopatch.settings_from_env(env) == {"max_tokens": 4096, "page_size": 8, "prefix_cache": False}
     with pytest.raises(ValueError, match="ASTRAI_HF_PAGE_SIZE='big'"):
         autopatch.settings_from_env({"ASTRAI_HF_PAGE_SIZE": "big"})
+    # only "0" had turned the prefix cache off; "false" left it on without a word
+    for off in ("false", "No", "off", " 0 "):
+        assert autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": off}) == {"prefix_cache": False}
+    for on in ("1", "true", "yes", ""):
+        assert autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": on}) == {}
+    with pytest.raises(ValueError, match="ASTRAI_HF_PREFIX_CACHE='maybe'"):
+        autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": "maybe"})
+
+
+def test_autopatch_checks_its_sizes_up_front_and_never_falls_back_to_stock_after_an_error():
+    with pytest.raises(ValueError, match="page_size must be a positive int, got 0"):
+        autopatch.install(page_size=0)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 6], seed=2)
+    autopatch.install(max_tokens=8, page_size=16)  # sizes that fail only when a pool is built for a model
+    try:
+        for _ in range(2):  # the second call had run stock generate(), unpatched, without a word
+            with pytest.raises(ValueError, match="max_tokens=8 is smaller than one page"):
+                model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+        assert not astrai_hf.is_patched(model)
+    finally:
+        autopatch.uninstall()
+
+
+def test_run_gives_the_script_its_own_folder_on_sys_path_and_refuses_a_missing_one(tmp_path, capsys):
+    (tmp_path / "helper_mod.py").write_text("VALUE = 41\n")
+    script = tmp_path / "uses_helper.py"
+    script.write_text("import helper_mod\nprint(helper_mod.VALUE + 1)\n")
+    before = list(sys.path)
+    assert main(["run", "--quiet", str(script)]) == 0
+    assert capsys.readouterr().out == "42\n" and sys.path == before
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert "no such script" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", "--page-size", "0", str(script)])
+    assert "must be at least 1, got 0" in capsys.readouterr().err
 
 
 def _logits(model, ids, mask):
