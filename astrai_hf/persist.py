@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -135,6 +136,12 @@ def _model_for(pool, model):
     return model
 
 
+def _as_path(path) -> Path:
+    if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
+        return Path(path)
+    raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
+
+
 def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = None) -> int:
     """Write the pool's cached prefix pages to ``path`` (a safetensors file).
 
@@ -148,7 +155,12 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
 
     Raises:
         ValueError: the pool has no prefix cache, or no model is known.
+        TypeError: ``path`` is not a str or ``os.PathLike``.
+        FileNotFoundError: the folder of ``path`` does not exist.
     """
+    path = _as_path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save the prefix cache to {path}: folder {path.parent} does not exist")
     if pool.prefix_cache is None:
         raise ValueError("this PagePool was built with prefix_cache=False; there is nothing to save")
     model = _model_for(pool, model)
@@ -197,10 +209,14 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     if pool.prefix_cache is None:
         raise ValueError("this PagePool was built with prefix_cache=False; it cannot load a prefix cache")
     model = _model_for(pool, model)
-    path = Path(path)
+    path = _as_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no prefix cache file at {path}")
-    with safe_open(str(path), framework="pt") as f:
+    try:
+        opened = safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors' own error type: not a safetensors file, or a damaged one
+        raise ValueError(f"{path} is not an astrai-hf prefix cache: not a readable safetensors file ({e})") from e
+    with opened as f:
         meta = f.metadata() or {}
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not an astrai-hf prefix cache (format={meta.get('format')!r})")

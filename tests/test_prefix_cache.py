@@ -448,6 +448,28 @@ def test_save_then_load_in_a_new_process(tmp_path):
     assert loaded["tokens"] == saved["tokens"]
 
 
+def test_save_and_load_name_a_bad_path(llama, tmp_path, monkeypatch):
+    # save_prefix_cache(None) had written a file named "None" in the working folder; a file that is not safetensors
+    # raised safetensors' own error
+    pool = _pool(llama)
+    ids, mask = _batch([_tokens(40, seed=16)])
+    _generate(llama, pool, ids, mask, max_new_tokens=3)
+    monkeypatch.chdir(tmp_path)
+    for bad in (None, 3, b"p.safetensors"):
+        with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+            pool.save_prefix_cache(bad)
+        with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+            pool.load_prefix_cache(bad)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="folder .*no-such-folder does not exist"):
+        pool.save_prefix_cache(tmp_path / "no-such-folder" / "p.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="junk.safetensors is not an astrai-hf prefix cache: not a readable"):
+        pool.load_prefix_cache(junk)
+    assert pool.save_prefix_cache("p.safetensors") == 3  # a plain str, relative to the working folder
+
+
 def test_load_refuses_another_model_or_page_size(llama, tmp_path):
     pool = _pool(llama)
     ids, mask = _batch([_tokens(40, seed=16)])
