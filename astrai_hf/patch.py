@@ -7,6 +7,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import numbers
 import sys
 import textwrap
 import threading
@@ -1108,10 +1109,13 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, mod
     pads = left_padding(attention_mask) if attention_mask is not None else [0] * input_ids.shape[0]
     prompt_len = input_ids.shape[1] - min(pads)
     max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    max_length = kwargs.get("max_length", config.max_length)
+    for name, value in (("max_new_tokens", max_new), ("max_length", max_length)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor))):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if max_new is not None:
         total = prompt_len + max_new
     else:
-        max_length = kwargs.get("max_length", config.max_length)
         if max_length is None:  # neither given: generate() falls back to its default (20)
             from transformers import GenerationConfig
 

@@ -110,7 +110,16 @@ class PagePool:
         # Plain tensors even when the pool is made under torch.inference_mode(): inference tensors could not be
         # written by a later generate() outside that mode.
         with torch.inference_mode(False):
-            self.storage = KVStorage(self.config)
+            try:
+                self.storage = KVStorage(self.config)
+            except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                need = self.config.num_pages * spec.bytes_per_token(dtype) * page_size
+                raise type(e)(
+                    f"cannot allocate the pool's K/V: {self.config.num_pages - 1} pages of {page_size} tokens "
+                    f"(max_tokens={capacity}) take {need / 2**30:.1f} GiB in {dtype} on "
+                    f"{', '.join(sorted({str(d) for d in layer_devices}))}; pass a smaller max_tokens, or "
+                    f"memory_fraction ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                ) from e
             # a row never holds more tokens than the pool has slots (its slots are distinct): a larger max_seq_len
             # still bounds prompts (ValueError), a row past the capacity fails with CacheFullError, and the
             # req_to_token table has no columns no row could fill
@@ -549,7 +558,8 @@ def _module_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 def _resolve_dtype(config) -> torch.dtype:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # (`torch_dtype` only where a config has no `dtype`: reading it logs a deprecation on transformers 5)
+    dtype = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     if isinstance(dtype, str) and hasattr(torch, dtype):
         dtype = getattr(torch, dtype)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32

@@ -268,6 +268,16 @@ def test_a_cache_of_the_callers_that_the_prompt_does_not_continue_is_refused(mis
         assert _used(model) == 0
 
 
+@pytest.mark.parametrize("name", ["max_new_tokens", "max_length"])
+def test_a_length_that_is_not_a_number_is_named(name):
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with astrai_hf.patched(model):
+        with pytest.raises(TypeError, match=f"{name} must be an int, got '9' \\(str\\)"):
+            model.generate(ids, **{name: "9"})
+        assert _used(model) == 0
+
+
 def test_an_empty_batch_gets_a_clear_error():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([3, 5])

@@ -59,6 +59,34 @@ def test_a_device_spelled_with_an_index_is_the_device_the_model_reports(llama, d
         assert torch.equal(llama.generate(ids, **kw), ref)
 
 
+def test_a_pool_too_large_to_allocate_names_its_size(llama, monkeypatch):
+    import astrai_hf.pool as pool_module
+
+    def refuse(config):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 128000002048 bytes")
+
+    monkeypatch.setattr(pool_module, "KVStorage", refuse)
+    with pytest.raises(RuntimeError, match=r"cannot allocate the pool's K/V: 62500 pages of 16 tokens "
+                                           r"\(max_tokens=1000000\) take 0\.5 GiB in torch.float32 on cpu; pass a "
+                                           r"smaller max_tokens.*can't allocate memory"):
+        PagePool.from_model(llama, max_tokens=10**6, page_size=16)
+
+
+def test_a_pool_from_a_config_without_a_dtype_logs_nothing():
+    # reading config.torch_dtype made transformers log "`torch_dtype` is deprecated!" (once per process: hence a
+    # fresh one); astrai-hf prints nothing
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.path.insert(0, %r)\nfrom tiny_models import tiny_model\nfrom astrai_hf import PagePool\n"
+            "config = tiny_model('llama').config\nconfig.dtype = None\nprint(PagePool(config, max_tokens=64).dtype)\n"
+            % str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "torch.float32\n" and "deprecated" not in done.stderr, done.stderr
+
+
 def test_memory_fraction_sizing(llama):
     pool = PagePool.from_model(llama, memory_fraction=1e-6, page_size=16)
     assert pool.stats()["num_pages"] >= 1
