@@ -1010,6 +1010,8 @@ def cache_kwarg(model) -> str:
     """
     import inspect
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"cache_kwarg() takes a transformers model (a torch.nn.Module), got {type(model).__name__}")
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

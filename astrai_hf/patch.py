@@ -713,8 +713,11 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
 
     Raises:
         ValueError: the model is not patched, or is patched with ``cuda_graphs=False``.
+        TypeError: ``model`` is not a module, or ``pool`` not a PagePool.
     """
-    model = _underlying(model)
+    model = _underlying(_as_module("capture_graphs()", model))
+    if pool is not None and not isinstance(pool, PagePool):
+        raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}: {pool!r}")
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")

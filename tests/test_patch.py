@@ -148,9 +148,13 @@ def test_what_patch_cannot_take_is_refused_before_anything_is_installed(what):
         assert vars(target).keys() == before.keys()
         assert all("_astrai" not in k for m in target.modules() for k in vars(m))
         pickle.dumps(target)
-    for call in (astrai_hf.unpatch, astrai_hf.get_pool, PagePool.from_model):
+    for call in (astrai_hf.unpatch, astrai_hf.get_pool, PagePool.from_model, astrai_hf.cache_kwarg,
+                 astrai_hf.capture_graphs):
         with pytest.raises(TypeError, match="takes a transformers model"):
             call(None)
+    with astrai_hf.patched(model, max_tokens=256, cuda_graphs=True):
+        with pytest.raises(TypeError, match="pool must be a PagePool, got str"):
+            astrai_hf.capture_graphs(model, pool="x")
     pool = PagePool.from_model(model, max_tokens=256)
     ids, mask = left_padded_batch([5, 3])
     with pytest.raises(TypeError, match="input_ids must be a torch.Tensor, got list"):
