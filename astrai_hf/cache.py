@@ -234,42 +234,41 @@ class PagedCache(Cache):
         self.logical_len = 0
         self.prefix_hit_tokens = [0] * len(self.prefix_hit_tokens)
 
-    def check_continued_by(self, input_ids: torch.Tensor) -> None:
-        """Raise unless ``input_ids`` continues what this cache holds, as ``generate()`` with a cache expects: the
-        whole sequence so far, [B, W] with more columns than the cache holds, each row starting with the tokens whose
-        K/V the cache stored (where it recorded their ids: a forward fed ``inputs_embeds`` records none). A patched
-        ``generate()`` calls it for a cache of the caller's; the cache is left as it is.
+    def fit_to(self, input_ids: torch.Tensor) -> int:
+        """Cut this cache back to the columns ``input_ids`` starts with, so that ``generate()`` computes the rest: the
+        call then returns what it returns with a fresh cache. ``generate()`` with a cache takes the whole sequence
+        so far, [B, W]; where the cache holds columns that sequence does not start with (the same cache passed
+        again with the same prompt, a prompt edited or re-tokenized, rows padded differently) stock attends to the
+        stale K/V. Tokens are compared where the cache recorded their ids (a forward fed ``inputs_embeds`` records
+        none); at least the last column is left to compute. A patched ``generate()`` calls it for a cache of the
+        caller's.
 
-        Raises:
-            ValueError: the cache holds as many columns as ``input_ids`` or more (the same cache passed to a second
-                call with the same prompt), or a row of ``input_ids`` starts with other tokens than the row's.
+        Returns:
+            the columns kept (``get_seq_length()`` after the call).
         """
         L, rows = self.logical_len, self._rows
         if not rows.req_rows or not L or input_ids.dim() != 2:
-            return
+            return L
         B, W = input_ids.shape
-        if W <= L:
-            raise ValueError(
-                f"this PagedCache already holds {L} columns and input_ids has {W}: generate() with a cache takes the "
-                "whole sequence so far, the tokens the cache holds followed by new ones. To start over, pass a fresh "
-                "PagedCache(pool) or call cache.reset() first"
-            )
-        if len(rows.req_rows) != B or self._num_pad is None:
-            return
-        token_ids = self.pool.req_to_token.token_ids
-        for r, (row, pad, known) in enumerate(zip(rows.req_rows, self._num_pad, rows.known)):
-            n = min(known, L - pad)
-            if n <= 0:
-                continue
-            held = token_ids[row, :n].to(input_ids.device)
-            given = input_ids[r, pad : pad + n]
-            if not torch.equal(held, given.to(held.dtype)):
-                j = int((held != given.to(held.dtype)).nonzero()[0])
-                raise ValueError(
-                    f"row {r} of input_ids does not start with the {n} tokens this PagedCache holds K/V for: token {j} "
-                    f"(column {pad + j}) is {int(given[j])}, the cache's is {int(held[j])}. Pass the sequence the "
-                    "cache was filled with followed by the new tokens, or a fresh PagedCache(pool)"
-                )
+        keep = min(L, W - 1)
+        if len(rows.req_rows) == B and self._num_pad is not None:
+            token_ids = self.pool.req_to_token.token_ids
+            for r, (row, pad, known) in enumerate(zip(rows.req_rows, self._num_pad, rows.known)):
+                n = min(known, keep - pad)
+                if n <= 0:
+                    continue
+                held = token_ids[row, :n].to(input_ids.device)
+                differs = (held != input_ids[r, pad : pad + n].to(held.dtype)).nonzero()
+                if len(differs):
+                    keep = pad + int(differs[0])
+        if keep < L:
+            logger.debug("PagedCache: kept %d of its %d columns, where the prompt (%d columns) starts with them",
+                         max(keep, 0), L, W)
+            if keep <= 0:
+                self.reset()
+            else:
+                self.crop(keep - L)
+        return self.logical_len
 
     def check_prefix_hits(self) -> None:
         """Raise if the prefixes this cache started with were dropped from the prefix cache since it matched them:
@@ -414,7 +413,7 @@ class PagedCache(Cache):
         ):
             n = B // len(self._num_pad)
             expected = [min(p, end) for p in self._num_pad for _ in range(n)]
-            seen = left_padding(attention_mask)
+            seen = _broadcast_rows(left_padding(attention_mask), B)
             if seen != expected:
                 if self.logical_len == 0 and not self._rows.req_rows:
                     self._num_pad, self._prompt_ids, self._prompt_pads = seen, None, None
@@ -671,7 +670,7 @@ class PagedCache(Cache):
         """Left-padding columns per row, from the best source available on the first step."""
         width = self.logical_len + q
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == width:
-            return left_padding(attention_mask)
+            return _broadcast_rows(left_padding(attention_mask), B)
         if self._prompt_pads is not None:
             return list(self._prompt_pads)
         if position_ids is not None and self.logical_len == 0 and position_ids.dim() == 2:
@@ -1000,6 +999,11 @@ def left_padding(attention_mask: torch.Tensor) -> list[int]:
             "in the prompt: a pad token inside a prompt makes the same hole, so pass the attention_mask"
         )
     return pads.tolist()
+
+
+def _broadcast_rows(pads: list[int], B: int) -> list[int]:
+    """The padding of a one-row mask given for a batch of ``B`` rows (generate() broadcasts it), else ``pads``."""
+    return pads * B if len(pads) == 1 and B > 1 else pads
 
 
 def cache_kwarg(model) -> str:

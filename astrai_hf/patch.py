@@ -1084,12 +1084,12 @@ def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor
 
 def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -> None:
     """generate() with a PagedCache of the caller's gets the check a call without one gets: a mask (or the one
-    generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache. And the prompt
-    must continue what the cache holds (:meth:`PagedCache.check_continued_by`).
+    generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache. A cache holding
+    columns the prompt does not start with is cut back to those it does (:meth:`PagedCache.fit_to`).
 
     Raises:
         ValueError: from :func:`~astrai_hf.cache.left_padding`, naming the rows; a mask of another row count than
-            the prompt; a prompt that does not continue the cache.
+            the prompt.
     """
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
@@ -1101,7 +1101,7 @@ def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -
                          f"shape {tuple(input_ids.shape)}; pass one mask row per prompt row")
     if mask.dim() == 2 and mask.shape == input_ids.shape:
         left_padding(mask)
-    cache.check_continued_by(input_ids)
+    cache.fit_to(input_ids)
 
 
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, model=None) -> int:
