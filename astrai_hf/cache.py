@@ -234,41 +234,78 @@ class PagedCache(Cache):
         self.logical_len = 0
         self.prefix_hit_tokens = [0] * len(self.prefix_hit_tokens)
 
-    def fit_to(self, input_ids: torch.Tensor) -> int:
-        """Cut this cache back to the columns ``input_ids`` starts with, so that ``generate()`` computes the rest: the
-        call then returns what it returns with a fresh cache. ``generate()`` with a cache takes the whole sequence
-        so far, [B, W]; where the cache holds columns that sequence does not start with (the same cache passed
-        again with the same prompt, a prompt edited or re-tokenized, rows padded differently) stock attends to the
-        stale K/V. Tokens are compared where the cache recorded their ids (a forward fed ``inputs_embeds`` records
-        none); at least the last column is left to compute. A patched ``generate()`` calls it for a cache of the
-        caller's.
+    def fit_to(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Make this cache fit a ``generate()`` call on ``input_ids`` [B, W], the whole sequence so far (or only the
+        new tokens, with ``attention_mask`` covering the whole sequence, which generate() then reads so). A patched
+        ``generate()`` calls it for a cache of the caller's; tokens are compared where the cache recorded their ids
+        (a forward fed ``inputs_embeds`` records none).
+
+        - A cache holding as many columns as ``input_ids`` or more (the same cache passed again with the same
+          prompt): stock then slices the prompt by a negative count. The cache is cut back to the columns the
+          prompt starts with, leaving at least the last to compute, so the call returns what a fresh cache gives.
+        - A cache of fewer rows than ``input_ids`` (a shared prompt computed once): its rows are shared by the
+          input rows that start with their tokens, ``B / rows`` each (stock raises on the row count).
+        - A prompt longer than the cache is left to use the cache's K/V for its first columns, as stock does,
+          whatever tokens it has there.
 
         Returns:
             the columns kept (``get_seq_length()`` after the call).
+
+        Raises:
+            ValueError: input rows meant to share a row of the cache do not start with its tokens.
         """
         L, rows = self.logical_len, self._rows
-        if not rows.req_rows or not L or input_ids.dim() != 2:
+        if not rows.req_rows or not L or input_ids.dim() != 2 or self._num_pad is None:
             return L
         B, W = input_ids.shape
-        keep = min(L, W - 1)
-        if len(rows.req_rows) == B and self._num_pad is not None:
-            token_ids = self.pool.req_to_token.token_ids
-            for r, (row, pad, known) in enumerate(zip(rows.req_rows, self._num_pad, rows.known)):
-                n = min(known, keep - pad)
-                if n <= 0:
-                    continue
-                held = token_ids[row, :n].to(input_ids.device)
-                differs = (held != input_ids[r, pad : pad + n].to(held.dtype)).nonzero()
-                if len(differs):
-                    keep = pad + int(differs[0])
-        if keep < L:
-            logger.debug("PagedCache: kept %d of its %d columns, where the prompt (%d columns) starts with them",
-                         max(keep, 0), L, W)
-            if keep <= 0:
-                self.reset()
-            else:
-                self.crop(keep - L)
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] != W:
+            return L
+        held = len(rows.req_rows)
+        if B != held:
+            if B % held:
+                return L  # (planning the step raises, naming both counts)
+            unknown = [r for r, (k, p) in enumerate(zip(rows.known, self._num_pad)) if k < L - p]
+            if unknown:
+                raise ValueError(
+                    f"this PagedCache holds {held} row(s) and input_ids has {B} rows; they may share its rows only "
+                    f"where they start with its tokens, and it did not record the tokens of row(s) {unknown} (it "
+                    "records those generate() feeds, and those of a patched model's forward fed input_ids under "
+                    "torch.no_grad()). Build the cache for the whole batch"
+                )
+            limit = min(L, W)
+            agree, b = self._agreeing_columns(input_ids, [i // (B // held) for i in range(B)], limit)
+            if agree < limit:
+                raise ValueError(
+                    f"this PagedCache holds {held} row(s) of {L} columns and input_ids has {B} rows, {B // held} per "
+                    f"row of the cache, which they may share only where they start with its tokens: row {b} differs "
+                    f"at column {agree}. Build the cache for the whole batch, or pass a fresh PagedCache(pool)"
+                )
+            return L
+        if W > L:
+            return L
+        keep, _ = self._agreeing_columns(input_ids, range(B), W - 1)
+        logger.debug("PagedCache: kept %d of its %d columns for a prompt of %d columns", keep, L, W)
+        if keep <= 0:
+            self.reset()
+        else:
+            self.crop(keep - L)
         return self.logical_len
+
+    def _agreeing_columns(self, input_ids: torch.Tensor, row_of, limit: int) -> tuple[int, int | None]:
+        """``(columns, b)``: up to which column (at most ``limit``) each input row ``b`` holds the tokens recorded for
+        cache row ``row_of[b]``, and the first input row that differs there (None where all agree)."""
+        token_ids, rows = self.pool.req_to_token.token_ids, self._rows
+        agree, first = limit, None
+        for b, r in enumerate(row_of):
+            pad = self._num_pad[r]
+            n = min(rows.known[r], agree - pad)
+            if n <= 0:
+                continue
+            held = token_ids[rows.req_rows[r], :n].to(input_ids.device)
+            differs = (held != input_ids[b, pad : pad + n].to(held.dtype)).nonzero()
+            if len(differs):
+                agree, first = pad + int(differs[0]), b
+        return agree, first
 
     def check_prefix_hits(self) -> None:
         """Raise if the prefixes this cache started with were dropped from the prefix cache since it matched them:

@@ -100,11 +100,12 @@ def _first_line(error: Exception) -> str:
 def _run_script(args) -> int:
     import os
     import runpy
+    import zipfile
 
     import astrai_hf.patches.autopatch as autopatch
 
     script = Path(args.script)
-    if not script.is_file():
+    if not script.exists():
         print(f"astrai-hf run: no such script: {args.script}", file=sys.stderr)
         return 2
     env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
@@ -125,7 +126,8 @@ def _run_script(args) -> int:
         return 2
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [args.script, *args.args]
-    sys.path.insert(0, str(script.resolve().parent))  # as `python script.py`: the script imports its neighbours
+    if script.is_file() and not zipfile.is_zipfile(script):  # (runpy puts a folder or zip of __main__.py first itself)
+        sys.path.insert(0, str(script.resolve().parent))  # as `python script.py`: the script imports its neighbours
     namespace = None  # the script's globals, kept for the report: a model the script holds there is still alive
     try:
         namespace = runpy.run_path(args.script, run_name="__main__")

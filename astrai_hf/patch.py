@@ -1084,24 +1084,25 @@ def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor
 
 def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -> None:
     """generate() with a PagedCache of the caller's gets the check a call without one gets: a mask (or the one
-    generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache. A cache holding
-    columns the prompt does not start with is cut back to those it does (:meth:`PagedCache.fit_to`).
+    generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache. The cache is
+    made to fit the prompt (:meth:`PagedCache.fit_to`).
 
     Raises:
         ValueError: from :func:`~astrai_hf.cache.left_padding`, naming the rows; a mask of another row count than
-            the prompt.
+            the prompt; from :meth:`PagedCache.fit_to`.
     """
     input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
         return
     mask = kwargs.get("attention_mask")
     mask = _implied_mask(input_ids, kwargs, config) if mask is None else mask
-    if mask.dim() == 2 and mask.shape[0] != input_ids.shape[0]:
+    broadcast = mask.dim() == 2 and mask.shape[0] == 1 and bool(mask.all())  # one row of ones: stock broadcasts it
+    if mask.dim() == 2 and mask.shape[0] != input_ids.shape[0] and not broadcast:
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has {mask.shape[0]} rows for input_ids of "
                          f"shape {tuple(input_ids.shape)}; pass one mask row per prompt row")
     if mask.dim() == 2 and mask.shape == input_ids.shape:
         left_padding(mask)
-    cache.fit_to(input_ids)
+    cache.fit_to(input_ids, mask if mask.dim() == 2 else None)
 
 
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, model=None) -> int:
@@ -1114,7 +1115,7 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, mod
     max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
     max_length = kwargs.get("max_length", config.max_length)
     for name, value in (("max_new_tokens", max_new), ("max_length", max_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor))):
+        if value is not None and not isinstance(value, (numbers.Real, torch.Tensor)):
             raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if max_new is not None:
         total = prompt_len + max_new

@@ -113,6 +113,9 @@ class PagePool:
             try:
                 self.storage = KVStorage(self.config)
             except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                if isinstance(e, NotImplementedError) or not ("alloc" in str(e) or "out of memory" in str(e)
+                                                             or isinstance(e, MemoryError)):
+                    raise  # not a shortage of memory (a device backend this build lacks)
                 need = self.config.num_pages * spec.bytes_per_token(dtype) * page_size
                 raise type(e)(
                     f"cannot allocate the pool's K/V: {self.config.num_pages - 1} pages of {page_size} tokens "

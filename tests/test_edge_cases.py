@@ -238,45 +238,65 @@ def test_one_row_of_ones_as_the_mask_of_a_batch_is_broadcast_as_in_stock():
         assert _used(model) == 0
 
 
-@pytest.mark.parametrize("misuse", ["the same prompt again", "a shorter prompt", "another prompt", "repadded",
-                                    "another prompt from column 3"])
-def test_a_cache_of_the_callers_is_cut_back_to_what_the_prompt_starts_with(misuse):
-    # stock generate() attends to the stale K/V of such a cache; a patched one had too (with other tokens than
-    # stock's). Cut back to the columns the prompt starts with, the call returns what a fresh cache gives.
+@pytest.mark.parametrize("call", ["the same prompt again", "a shorter prompt", "only the new tokens, the whole mask",
+                                  "one row of ones as the mask"])
+def test_a_cache_of_the_callers_fits_the_next_prompt(call):
+    # The same cache passed again with the same prompt: stock slices the prompt by a negative count, and a patched
+    # generate() had returned other tokens than stock's; the cache is cut back so the call returns what a fresh one
+    # gives. Only the new tokens with a mask of the whole sequence (transformers reads them so) and a broadcast row
+    # of ones (refused by the mask check for a while) run as stock.
     model = tiny_model("llama")
     ids, mask = left_padded_batch([5, 8], seed=1)
+    if call == "one row of ones as the mask":
+        ids, mask = ids[:, 3:], torch.ones(1, 5, dtype=mask.dtype)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    stock = model.__class__.generate  # (a patched model's own generate() is an instance attribute)
+    with astrai_hf.patched(model, max_tokens=1024):
+        cache = astrai_hf.PagedCache(astrai_hf.get_pool(model))
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+        assert torch.equal(out, stock(model, ids, attention_mask=mask, **kw)) and cache.get_seq_length() == out.shape[1] - 1
+        whole_mask = torch.cat([mask.expand(2, -1), torch.ones(2, 5, dtype=mask.dtype)], 1)
+        longer = torch.cat([out, torch.full((2, 1), 7)], 1)
+        prompt, prompt_mask, expected_ids = {
+            "the same prompt again": (ids, mask, ids),
+            "a shorter prompt": (out[:, :6], mask[:, :6], out[:, :6]),
+            "only the new tokens, the whole mask": (longer[:, -2:], whole_mask, longer),
+            "one row of ones as the mask": (longer, torch.ones(1, longer.shape[1], dtype=mask.dtype), longer),
+        }[call]
+        got = model.generate(prompt, attention_mask=prompt_mask, past_key_values=cache, **kw)
+        expected = stock(model, expected_ids, attention_mask=whole_mask if call.startswith("only") else prompt_mask, **kw)
+        assert torch.equal(got, expected[:, -got.shape[1]:])
+        cache.release()
+        assert _used(model) == 0
+
+
+def test_a_one_row_cache_is_shared_by_a_batch_that_starts_with_its_tokens():
+    # a shared prompt computed once, then a batch of continuations: stock raises on the row count; the rows share
+    # the cache's pages. Continuations that do not start with its tokens had silently decoded from its K/V.
+    model = tiny_model("llama")
+    prefix = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    tails = torch.randint(3, VOCAB, (3, 4), generator=torch.Generator().manual_seed(5))
+    batch = torch.cat([prefix.expand(3, -1), tails], 1)
     kw = dict(max_new_tokens=4, do_sample=False)
     with astrai_hf.patched(model, max_tokens=1024):
-        pool = astrai_hf.get_pool(model)
-        model.generate(ids, attention_mask=mask, **kw)  # cached: a cache built for this prompt starts pre-filled
-        cache = astrai_hf.PagedCache(pool, ids, mask)
-        out = None
-        if misuse.startswith("another prompt"):
-            assert cache.get_seq_length() > 0
-            prompt, prompt_mask = left_padded_batch([5, 8], seed=2)
-            if misuse.endswith("column 3"):  # row 1 agrees on its first 3 tokens, row 0 on all it holds
-                prompt = torch.cat([ids[:, :6], prompt[:, 6:]], 1)
-                prompt_mask = mask
-        else:
-            out = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
-            assert cache.get_seq_length() == 11
-            if misuse == "the same prompt again":
-                prompt, prompt_mask = ids, mask
-            elif misuse == "a shorter prompt":
-                prompt, prompt_mask = out[:, :6], mask[:, :6]
-            else:  # the same tokens, every row one more column of padding to the left
-                prompt = torch.cat([torch.zeros(2, 1, dtype=out.dtype), out], 1)
-                prompt_mask = torch.cat([torch.zeros(2, 1, dtype=mask.dtype), mask, torch.ones(2, 4, dtype=mask.dtype)], 1)
-        got = model.generate(prompt, attention_mask=prompt_mask, past_key_values=cache, **kw)
-        fresh = model.__class__.generate(model, prompt, attention_mask=prompt_mask, **kw)  # stock, no cache
-        assert torch.equal(got, fresh)
-        if out is not None:  # and what the cache holds, continued, still continues
-            longer = torch.cat([got, torch.full((2, 1), 7)], 1)
-            longer_mask = torch.cat([prompt_mask, torch.ones(2, 5, dtype=mask.dtype)], 1)
-            before = cache.get_seq_length()
-            again = model.generate(longer, attention_mask=longer_mask, past_key_values=cache, **kw)
-            assert torch.equal(again, model.__class__.generate(model, longer, attention_mask=longer_mask, **kw))
-            assert cache.get_seq_length() > before
+        cache = astrai_hf.PagedCache(astrai_hf.get_pool(model))
+        with torch.no_grad():
+            model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        got = model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=cache, **kw)
+        assert torch.equal(got, model.__class__.generate(model, batch, attention_mask=torch.ones_like(batch), **kw))
+        cache.release()
+        cache = astrai_hf.PagedCache(astrai_hf.get_pool(model))
+        with torch.no_grad():
+            model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        other = batch.clone()
+        other[1, 2] = (other[1, 2] + 1) % VOCAB
+        with pytest.raises(ValueError, match="row 1 differs at column 2"):
+            model.generate(other, attention_mask=torch.ones_like(other), past_key_values=cache, **kw)
+        cache.release()
+        cache = astrai_hf.PagedCache(astrai_hf.get_pool(model))
+        model(input_ids=prefix, past_key_values=cache, use_cache=True)  # recorded by autograd: no token ids kept
+        with pytest.raises(ValueError, match=r"did not record the tokens of row\(s\) \[0\]"):
+            model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=cache, **kw)
         cache.release()
         assert _used(model) == 0
 

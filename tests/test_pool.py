@@ -71,6 +71,13 @@ def test_a_pool_too_large_to_allocate_names_its_size(llama, monkeypatch):
                                            r"smaller max_tokens.*can't allocate memory"):
         PagePool.from_model(llama, max_tokens=10**6, page_size=16)
 
+    def missing_backend(config):
+        raise NotImplementedError("Could not run 'aten::empty.memory_format' with arguments from the 'MPS' backend")
+
+    monkeypatch.setattr(pool_module, "KVStorage", missing_backend)  # not a shortage of memory: raised as it is
+    with pytest.raises(NotImplementedError, match="^Could not run"):
+        PagePool.from_model(llama, max_tokens=64, page_size=16)
+
 
 def test_a_pool_from_a_config_without_a_dtype_logs_nothing():
     # reading config.torch_dtype made transformers log "`torch_dtype` is deprecated!" (once per process: hence a

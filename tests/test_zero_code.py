@@ -119,6 +119,11 @@ def test_run_gives_the_script_its_own_folder_on_sys_path_and_refuses_a_missing_o
     before = list(sys.path)
     assert main(["run", "--quiet", str(script)]) == 0
     assert capsys.readouterr().out == "42\n" and sys.path == before
+    folder = tmp_path / "app"  # a folder with a __main__.py runs as `python app` runs it
+    folder.mkdir()
+    (folder / "__main__.py").write_text("print('from the folder')\n")
+    assert main(["run", "--quiet", str(folder)]) == 0
+    assert capsys.readouterr().out == "from the folder\n" and sys.path == before
     assert main(["run", str(tmp_path / "missing.py")]) == 2
     assert "no such script" in capsys.readouterr().err
     with pytest.raises(SystemExit):
