@@ -192,6 +192,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     given, model = model, _underlying(_as_module("unpatch()", model))
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
+        _scrub_orphaned_modules(model)
         get_base_model = getattr(model, "get_base_model", None)  # a peft wrapper of a model patched before it
         base = get_base_model() if callable(get_base_model) else None
         if isinstance(base, torch.nn.Module) and base is not model and _STATE_ATTR in base.__dict__:
@@ -202,6 +203,17 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         runner.close()
     logger.info("unpatched %s", type(model).__name__)
     return given
+
+
+def _scrub_orphaned_modules(model: torch.nn.Module) -> None:
+    """Take astrai-hf's attributes off modules of ``model`` whose patched model is gone (modules handed on by
+    peft's ``merge_and_unload()``, say); modules of a model still patched keep theirs."""
+    for m in model.modules():
+        ref = m.__dict__.get(_STATE_ATTR)
+        if isinstance(ref, weakref.ref) and ref() is None:
+            del m.__dict__[_STATE_ATTR]
+            if isinstance(m.__dict__.get("__reduce_ex__"), _OnInstance):
+                del m.__dict__["__reduce_ex__"]
 
 
 def _as_module(caller: str, model) -> torch.nn.Module:
@@ -871,7 +883,9 @@ def _attach_modules(model, state: PatchState, modules: list) -> None:
     """Make ``modules`` run paged attention under ``state``: each carries the state (and pickles unpatched), and
     the configs they read their attention implementation from are the ones a paged step switches."""
     for m in modules:
-        setattr(m, _STATE_ATTR, state)
+        # held weakly: a module that outlives the patched model (peft's merge_and_unload() hands back the base
+        # model's modules) must not keep its pool alive
+        setattr(m, _STATE_ATTR, weakref.ref(state))
         m.__reduce_ex__ = _OnInstance(_reduce_unpatched, m, None)
     configs = list({id(m.config): m.config for m in modules if hasattr(m, "config")}.values())
     state.attn_configs = configs or [model.config]

@@ -563,6 +563,32 @@ def test_peft_modules_to_save_on_attention_after_patch():
     assert not astrai_hf.is_patched(model)
 
 
+def test_peft_merge_and_unload_of_a_patched_peft_model_lets_its_pool_go():
+    # the attention modules merge_and_unload() hands back had held the patch state, and through it the pool (1.4 GiB
+    # by default), after the peft model was gone; unpatch() of the merged model did nothing
+    import gc
+    import weakref
+
+    peft = pytest.importorskip("peft")
+    ids, mask = left_padded_batch([9, 5], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = peft.get_peft_model(tiny_model("llama"), config).eval()
+    ref = peft_model.generate(input_ids=ids, **kw)
+    astrai_hf.patch(peft_model, max_tokens=512)
+    assert torch.equal(peft_model.generate(input_ids=ids, **kw), ref)
+    pool = weakref.ref(astrai_hf.get_pool(peft_model))
+    merged = peft_model.merge_and_unload()
+    del peft_model
+    gc.collect()
+    assert pool() is None
+    astrai_hf.unpatch(merged)
+    assert not any(k.startswith("_astrai") or k == "__reduce_ex__" for m in merged.modules() for k in vars(m))
+    assert torch.equal(merged.generate(ids, **kw), ref)  # the LoRA merged in: the same tokens, stock
+    with astrai_hf.patched(merged, max_tokens=512):
+        assert torch.equal(merged.generate(ids, **kw), ref)
+
+
 def test_early_exit_drafts_leave_the_cached_prefixes():
     # assisted decoding with early exit lowers config.num_hidden_layers around each draft
     model = tiny_model("llama", num_hidden_layers=3)

@@ -38,7 +38,8 @@ def paged_attention_forward(
         RuntimeError: called outside a patched forward with a PagedCache.
         NotImplementedError: the model passes an attention feature paged attention does not implement.
     """
-    state = getattr(module, "_astrai_patch_state", None)
+    ref = getattr(module, "_astrai_patch_state", None)  # a weak reference to the patch state (see patch.py)
+    state = ref() if ref is not None else None
     meta = None if state is None else state.step
     if meta is None:
         raise RuntimeError(
