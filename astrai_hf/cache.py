@@ -1053,7 +1053,10 @@ def cache_kwarg(model) -> str:
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"cache_kwarg() takes a transformers model (a torch.nn.Module), got {type(model).__name__}")
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    get_base_model = getattr(model, "get_base_model", None)  # a peft wrapper's forward takes **kwargs
+    base = get_base_model() if callable(get_base_model) else None
+    target = base if isinstance(base, torch.nn.Module) else model
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 def _consecutive(pages: list[int]) -> bool:

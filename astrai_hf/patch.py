@@ -785,6 +785,11 @@ def _wrap_generate(owner, generate, state: PatchState):
             _check_callers_cache(given, args, kwargs, config)
         if given is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
+        if _peft_prompt_learning(model):
+            # peft prompt / prefix tuning puts virtual tokens in front of every row, after the mask's padding (a
+            # hole a paged cache cannot hold), or hands the model K/V of its own
+            logger.debug("peft prompt learning: stock generate(), not paged")
+            return generate(*args, **kwargs)
         other = _other_inputs(kwargs)
         if other:
             # images, audio, video: their features enter through placeholder ids the prefix cache cannot tell
@@ -873,10 +878,25 @@ def _check_attention_modules(model, modules: list, when: str = "") -> None:
                 f"{cls.__name__} computes attention without transformers' AttentionInterface, so paged attention "
                 f"cannot be routed into {type(model).__name__}{when}; use PagedCache without patch() instead"
             )
-    reason = unsupported_feature(model, modules)
+    reason = unsupported_feature(model, modules) or _dynamically_quantized(model)
     if reason is not None:
         raise NotImplementedError(f"{type(model).__name__}{when}: {reason}; astrai-hf cannot patch it (stock "
                                   "generate() and an unpatched model are unaffected)")
+
+
+_DYNAMIC_QUANTIZATION = ("torch.ao.nn.quantized.dynamic", "torch.nn.quantized.dynamic")
+
+
+def _dynamically_quantized(model) -> str | None:
+    """Why a model with torch's dynamically quantized layers (``torch.ao.quantization.quantize_dynamic``) cannot be
+    patched, or None: they scale each input tensor by its own range, so a row's output depends on every value in
+    the batch, padding included, and a packed prefill or a prefix hit (other tensors) changes the tokens."""
+    for m in model.modules():
+        if type(m).__module__.startswith(_DYNAMIC_QUANTIZATION):
+            return (f"{type(m).__name__} (torch dynamic quantization) scales activations per tensor, so a row's "
+                    "output depends on the whole batch, padding included, which packed prefill and the prefix cache "
+                    "change")
+    return None
 
 
 def _attach_modules(model, state: PatchState, modules: list) -> None:
@@ -901,6 +921,9 @@ def _sync_modules(model, state: PatchState) -> None:
         NotImplementedError: a new module is one ``patch()`` would have refused.
     """
     state.rope_by_length = rope_depends_on_length(model.config)
+    quantized = _dynamically_quantized(model)  # (quantize_dynamic(..., inplace=True) after patch())
+    if quantized is not None:
+        raise NotImplementedError(f"{type(model).__name__} (it changed since patch()): {quantized}; unpatch it")
     modules = attention_modules(model, every_copy=True)
     if [id(m) for m in modules] == [id(ref()) for ref in state.module_refs]:
         return
@@ -959,6 +982,21 @@ class _GenerationSettings:
         return None
 
 
+def _peft_prompt_learning(model) -> bool:
+    """Whether ``model`` is a peft model whose active adapter is prompt learning (prompt tuning, prefix tuning,
+    p-tuning), or the base model of one generating now (peft's ``generate()`` sets its own
+    ``prepare_inputs_for_generation`` on the base model for the call)."""
+    owners = [model, getattr(model.__dict__.get("prepare_inputs_for_generation"), "__self__", None)]
+    for owner in owners:
+        try:
+            config = getattr(owner, "active_peft_config", None)
+        except Exception:  # peft raises for a model without an active adapter
+            config = None
+        if getattr(config, "is_prompt_learning", False) is True:
+            return True
+    return False
+
+
 def _cache_implementation(kwargs: dict, passed, default) -> str | None:
     """The ``cache_implementation`` this call asks for itself (keyword, or a ``generation_config`` passed to it),
     or None. ``"hybrid"`` counts as None: ``generate()`` itself replaces it with a dynamic cache."""
@@ -1006,7 +1044,9 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
     # Token types (GPT-2 embeds them, type 0 included) likewise; in models that only mask with them (Gemma 3,
     # Qwen2.5-VL processors send zeros with plain text) zeros are plain text.
-    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids")) or (
+    # peft's per-call adapter_names choose each row's LoRA adapter through hooks of its generate(): the K/V of a
+    # prompt depend on them, which the prefix cache, keyed by token ids, does not see
+    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids", "adapter_names")) or (
         embeds_token_types and any(kwargs.get(name) is not None for name in _TOKEN_TYPES))
     # K/V computed under autocast are rounded to its dtype; with a RoPE whose frequencies depend on the longest
     # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the

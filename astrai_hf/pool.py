@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import numbers
 import weakref
@@ -550,7 +551,10 @@ def _module_device(module: torch.nn.Module) -> torch.device:
         device = getattr(h, "execution_device", None)
         if device is not None:
             return torch.device(device)
-    return next(module.parameters()).device
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device
+    # no parameters at all: torch's dynamically quantized Linear layers keep packed weights, which run on the CPU
+    return torch.device("cpu")
 
 
 def _module_dtype(module: torch.nn.Module) -> torch.dtype:

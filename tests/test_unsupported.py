@@ -245,6 +245,33 @@ def test_decode_graphs_leave_out_layers_that_read_the_cache_length(tuning):
     assert runner.length_readers == [] and runner.replays == 3
 
 
+@pytest.mark.parametrize("when", ["before patch()", "after patch()"])
+def test_dynamically_quantized_models_are_refused_naming_the_cause(when):
+    # quantize_dynamic scales each activation tensor by its own range: a packed prefill or a prefix hit changes the
+    # tokens (and a layer without parameters had raised a bare StopIteration)
+    from tiny_models import left_padded_batch, tiny_model
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([9, 4], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    if when == "after patch()":
+        astrai_hf.patch(model, max_tokens=256)
+    quantized = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8,
+                                                       inplace=when == "after patch()")
+    with pytest.raises(NotImplementedError, match="torch dynamic quantization"):
+        if when == "before patch()":
+            astrai_hf.patch(quantized, max_tokens=256)
+        else:
+            quantized.generate(ids, **kw)
+    astrai_hf.unpatch(quantized)
+    assert not astrai_hf.is_patched(quantized)
+    stock = quantized.generate(ids, **kw)
+    pool = PagePool.from_model(quantized, max_tokens=256)  # the pool's device and dtype without parameters
+    assert pool.config.layer_devices[0] == torch.device("cpu")
+    with astrai_hf.PagedCache(pool, ids, mask) as cache:  # stock attention on a paged cache: the same rectangle
+        assert torch.equal(quantized.generate(ids, **kw, past_key_values=cache), stock)
+
+
 @pytest.mark.parametrize("shared", [0, 2])
 def test_kv_sharing_layers_read_their_source_layers_pages(shared):
     # Gemma 3n E2B/E4B: the last layers attend over the K/V of the last earlier layer of their type; the pool keeps

@@ -589,6 +589,53 @@ def test_peft_merge_and_unload_of_a_patched_peft_model_lets_its_pool_go():
         assert torch.equal(merged.generate(ids, **kw), ref)
 
 
+@pytest.mark.parametrize("route", ["patch(peft model)", "patch(base), then peft"])
+@pytest.mark.parametrize("method", ["prompt tuning", "prefix tuning"])
+def test_peft_prompt_learning_on_a_padded_batch_runs_stock(method, route):
+    # peft puts virtual tokens in front of each row, after the mask's padding (or hands the model K/V of its own):
+    # the padded rows had come out wrong
+    peft = pytest.importorskip("peft")
+    ids, mask = left_padded_batch([9, 4], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    make = {"prompt tuning": peft.PromptTuningConfig, "prefix tuning": peft.PrefixTuningConfig}[method]
+    config = make(task_type="CAUSAL_LM", num_virtual_tokens=3)
+    torch.manual_seed(0)
+    peft_model = peft.get_peft_model(tiny_model("llama"), config).eval()
+    ref = peft_model.generate(input_ids=ids, **kw)
+    base = peft_model.get_base_model()
+    target = peft_model if route.startswith("patch(peft") else base
+    with astrai_hf.patched(target, max_tokens=512):
+        for _ in range(2):
+            assert torch.equal(peft_model.generate(input_ids=ids, **kw), ref)
+        assert _used(astrai_hf.get_pool(target)) == 0
+
+
+def test_peft_adapter_names_per_call_are_not_served_each_others_prefixes():
+    # peft's generate(adapter_names=[...]) picks each row's adapter by hooks it sets inside its own generate(), after
+    # the patched one looked the prompt up: the second adapter had been served the first one's K/V
+    peft = pytest.importorskip("peft")
+    ids, mask = left_padded_batch([9, 4], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    peft_model = peft.get_peft_model(tiny_model("llama"), config, adapter_name="first").eval()
+    torch.manual_seed(1)
+    peft_model.add_adapter("second", config)
+    with torch.no_grad():  # make adapter b clearly different
+        for name, p in peft_model.named_parameters():
+            if "lora_B.second" in name:
+                p.mul_(-5.0)
+    names = [["first"] * 2, ["second"] * 2, ["__base__"] * 2, ["first", "second"]]
+    stock = [peft_model.generate(input_ids=ids, adapter_names=n, **kw) for n in names]
+    assert not torch.equal(stock[0], stock[1])
+    assert astrai_hf.cache_kwarg(peft_model) == astrai_hf.cache_kwarg(peft_model.get_base_model())
+    with astrai_hf.patched(peft_model, max_tokens=1024):
+        for _ in range(2):
+            for n, ref in zip(names, stock):
+                assert torch.equal(peft_model.generate(input_ids=ids, adapter_names=n, **kw), ref), n
+        assert _used(astrai_hf.get_pool(peft_model)) == 0
+
+
 def test_early_exit_drafts_leave_the_cached_prefixes():
     # assisted decoding with early exit lowers config.num_hidden_layers around each draft
     model = tiny_model("llama", num_hidden_layers=3)
