@@ -244,7 +244,9 @@ class PagedCache(Cache):
           prompt): stock then slices the prompt by a negative count. The cache is cut back to the columns the
           prompt starts with, leaving at least the last to compute, so the call returns what a fresh cache gives.
         - A cache of fewer rows than ``input_ids`` (a shared prompt computed once): its rows are shared by the
-          input rows that start with their tokens, ``B / rows`` each (stock raises on the row count).
+          input rows that start with their tokens, ``B / rows`` each (stock raises on the row count), cut back as
+          above where the prompt is no longer than the cache.
+        A row padded otherwise than the cache's row (read from ``attention_mask``) differs from its first column.
         - A prompt longer than the cache is left to use the cache's K/V for its first columns, as stock does,
           whatever tokens it has there.
 
@@ -261,9 +263,14 @@ class PagedCache(Cache):
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] != W:
             return L
         held = len(rows.req_rows)
+        if B % held:
+            return L  # (planning the step raises, naming both counts)
+        row_of = [i // (B // held) for i in range(B)]
+        pads = None  # the prompt's own padding, where its mask tells it
+        if attention_mask is not None and attention_mask.dim() == 2:
+            pads = left_padding(attention_mask)
+            pads = pads * B if len(pads) == 1 else pads
         if B != held:
-            if B % held:
-                return L  # (planning the step raises, naming both counts)
             unknown = [r for r, (k, p) in enumerate(zip(rows.known, self._num_pad)) if k < L - p]
             if unknown:
                 raise ValueError(
@@ -272,18 +279,19 @@ class PagedCache(Cache):
                     "records those generate() feeds, and those of a patched model's forward fed input_ids under "
                     "torch.no_grad()). Build the cache for the whole batch"
                 )
-            limit = min(L, W)
-            agree, b = self._agreeing_columns(input_ids, [i // (B // held) for i in range(B)], limit)
-            if agree < limit:
+        if W > L:
+            if B == held:
+                return L
+            agree, b = self._agreeing_columns(input_ids, row_of, L, pads)
+            if agree < L:
                 raise ValueError(
                     f"this PagedCache holds {held} row(s) of {L} columns and input_ids has {B} rows, {B // held} per "
-                    f"row of the cache, which they may share only where they start with its tokens: row {b} differs "
-                    f"at column {agree}. Build the cache for the whole batch, or pass a fresh PagedCache(pool)"
+                    f"row of the cache, which they may share only where they start with its tokens (and padding): "
+                    f"row {b} differs at column {agree}. Build the cache for the whole batch, or pass a fresh "
+                    "PagedCache(pool)"
                 )
             return L
-        if W > L:
-            return L
-        keep, _ = self._agreeing_columns(input_ids, range(B), W - 1)
+        keep, _ = self._agreeing_columns(input_ids, row_of, W - 1, pads)
         logger.debug("PagedCache: kept %d of its %d columns for a prompt of %d columns", keep, L, W)
         if keep <= 0:
             self.reset()
@@ -291,13 +299,17 @@ class PagedCache(Cache):
             self.crop(keep - L)
         return self.logical_len
 
-    def _agreeing_columns(self, input_ids: torch.Tensor, row_of, limit: int) -> tuple[int, int | None]:
-        """``(columns, b)``: up to which column (at most ``limit``) each input row ``b`` holds the tokens recorded for
-        cache row ``row_of[b]``, and the first input row that differs there (None where all agree)."""
+    def _agreeing_columns(self, input_ids: torch.Tensor, row_of, limit: int,
+                          pads: list[int] | None = None) -> tuple[int, int | None]:
+        """``(columns, b)``: up to which column (at most ``limit``) each input row ``b``, left-padded by ``pads[b]``
+        columns where given, holds the padding and tokens recorded for cache row ``row_of[b]``, and the first input
+        row that differs there (None where all agree)."""
         token_ids, rows = self.pool.req_to_token.token_ids, self._rows
         agree, first = limit, None
         for b, r in enumerate(row_of):
             pad = self._num_pad[r]
+            if pads is not None and pads[b] != pad and min(pads[b], pad) < agree:
+                agree, first = min(pads[b], pad), b  # padded otherwise: the columns differ from the first token on
             n = min(rows.known[r], agree - pad)
             if n <= 0:
                 continue

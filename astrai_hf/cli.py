@@ -108,6 +108,9 @@ def _run_script(args) -> int:
     if not script.exists():
         print(f"astrai-hf run: no such script: {args.script}", file=sys.stderr)
         return 2
+    if script.is_dir() and not (script / "__main__.py").is_file():
+        print(f"astrai-hf run: {args.script} is a folder without a __main__.py", file=sys.stderr)
+        return 2
     env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
            "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
     os.environ.update({k: str(v) for k, v in env.items() if v is not None})

@@ -891,7 +891,11 @@ def _dynamically_quantized(model) -> str | None:
     """Why a model with torch's dynamically quantized layers (``torch.ao.quantization.quantize_dynamic``) cannot be
     patched, or None: they scale each input tensor by its own range, so a row's output depends on every value in
     the batch, padding included, and a packed prefill or a prefix hit (other tensors) changes the tokens."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     for m in model.modules():
+        # the LM head sees the same rows as stock's (each row's last position); float16 "quantization" scales nothing
+        if m is head or getattr(getattr(m, "_packed_params", None), "dtype", None) == torch.float16:
+            continue
         if type(m).__module__.startswith(_DYNAMIC_QUANTIZATION):
             return (f"{type(m).__name__} (torch dynamic quantization) scales activations per tensor, so a row's "
                     "output depends on the whole batch, padding included, which packed prefill and the prefix cache "

@@ -239,7 +239,7 @@ def test_one_row_of_ones_as_the_mask_of_a_batch_is_broadcast_as_in_stock():
 
 
 @pytest.mark.parametrize("call", ["the same prompt again", "a shorter prompt", "only the new tokens, the whole mask",
-                                  "one row of ones as the mask"])
+                                  "one row of ones as the mask", "row 0 no longer padded"])
 def test_a_cache_of_the_callers_fits_the_next_prompt(call):
     # The same cache passed again with the same prompt: stock slices the prompt by a negative count, and a patched
     # generate() had returned other tokens than stock's; the cache is cut back so the call returns what a fresh one
@@ -257,8 +257,11 @@ def test_a_cache_of_the_callers_fits_the_next_prompt(call):
         assert torch.equal(out, stock(model, ids, attention_mask=mask, **kw)) and cache.get_seq_length() == out.shape[1] - 1
         whole_mask = torch.cat([mask.expand(2, -1), torch.ones(2, 5, dtype=mask.dtype)], 1)
         longer = torch.cat([out, torch.full((2, 1), 7)], 1)
+        unpadded = torch.cat([torch.full((1, 3), 11), ids[:1, 3:]], 1)  # row 0's padding columns now hold tokens
         prompt, prompt_mask, expected_ids = {
             "the same prompt again": (ids, mask, ids),
+            "row 0 no longer padded": (torch.cat([unpadded, ids[1:]]), torch.ones_like(ids),
+                                       torch.cat([unpadded, ids[1:]])),
             "a shorter prompt": (out[:, :6], mask[:, :6], out[:, :6]),
             "only the new tokens, the whole mask": (longer[:, -2:], whole_mask, longer),
             "one row of ones as the mask": (longer, torch.ones(1, longer.shape[1], dtype=mask.dtype), longer),
@@ -293,6 +296,14 @@ def test_a_one_row_cache_is_shared_by_a_batch_that_starts_with_its_tokens():
         with pytest.raises(ValueError, match="row 1 differs at column 2"):
             model.generate(other, attention_mask=torch.ones_like(other), past_key_values=cache, **kw)
         cache.release()
+        for shared in (prefix.expand(2, -1), prefix[:, :4].expand(2, -1)):  # no longer than the cache: cut back
+            cache = astrai_hf.PagedCache(astrai_hf.get_pool(model))
+            with torch.no_grad():
+                model(input_ids=prefix, past_key_values=cache, use_cache=True)
+            got = model.generate(shared, attention_mask=torch.ones_like(shared), past_key_values=cache, **kw)
+            assert torch.equal(got, model.__class__.generate(model, shared, attention_mask=torch.ones_like(shared),
+                                                             **kw))
+            cache.release()
         cache = astrai_hf.PagedCache(astrai_hf.get_pool(model))
         model(input_ids=prefix, past_key_values=cache, use_cache=True)  # recorded by autograd: no token ids kept
         with pytest.raises(ValueError, match=r"did not record the tokens of row\(s\) \[0\]"):

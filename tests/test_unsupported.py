@@ -272,6 +272,22 @@ def test_dynamically_quantized_models_are_refused_naming_the_cause(when):
         assert torch.equal(quantized.generate(ids, **kw, past_key_values=cache), stock)
 
 
+@pytest.mark.parametrize("how", ["int8 LM head only", "float16 everywhere"])
+def test_dynamic_quantization_that_keeps_rows_independent_is_patched(how):
+    from tiny_models import left_padded_batch, tiny_model
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([9, 4], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    spec, dtype = ({"lm_head": torch.ao.quantization.default_dynamic_qconfig}, torch.qint8) if how.startswith(
+        "int8") else ({torch.nn.Linear}, torch.float16)
+    quantized = torch.ao.quantization.quantize_dynamic(model, spec, dtype=dtype)
+    stock = quantized.generate(ids, **kw)
+    with astrai_hf.patched(quantized, max_tokens=256):
+        for _ in range(2):
+            assert torch.equal(quantized.generate(ids, **kw), stock)
+
+
 @pytest.mark.parametrize("shared", [0, 2])
 def test_kv_sharing_layers_read_their_source_layers_pages(shared):
     # Gemma 3n E2B/E4B: the last layers attend over the K/V of the last earlier layer of their type; the pool keeps

@@ -124,6 +124,9 @@ def test_run_gives_the_script_its_own_folder_on_sys_path_and_refuses_a_missing_o
     (folder / "__main__.py").write_text("print('from the folder')\n")
     assert main(["run", "--quiet", str(folder)]) == 0
     assert capsys.readouterr().out == "from the folder\n" and sys.path == before
+    (tmp_path / "empty").mkdir()
+    assert main(["run", str(tmp_path / "empty")]) == 2
+    assert "is a folder without a __main__.py" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.py")]) == 2
     assert "no such script" in capsys.readouterr().err
     with pytest.raises(SystemExit):
