@@ -246,9 +246,10 @@ class PagedCache(Cache):
         - A cache of fewer rows than ``input_ids`` (a shared prompt computed once): its rows are shared by the
           input rows that start with their tokens, ``B / rows`` each (stock raises on the row count), cut back as
           above where the prompt is no longer than the cache.
-        A row padded otherwise than the cache's row (read from ``attention_mask``) differs from its first column.
         - A prompt longer than the cache is left to use the cache's K/V for its first columns, as stock does,
           whatever tokens it has there.
+
+        A row padded otherwise than the cache's row (read from ``attention_mask``) differs from its first column.
 
         Returns:
             the columns kept (``get_seq_length()`` after the call).
@@ -268,8 +269,7 @@ class PagedCache(Cache):
         row_of = [i // (B // held) for i in range(B)]
         pads = None  # the prompt's own padding, where its mask tells it
         if attention_mask is not None and attention_mask.dim() == 2:
-            pads = left_padding(attention_mask)
-            pads = pads * B if len(pads) == 1 else pads
+            pads = _broadcast_rows(left_padding(attention_mask), B)
         if B != held:
             unknown = [r for r, (k, p) in enumerate(zip(rows.known, self._num_pad)) if k < L - p]
             if unknown:
