@@ -133,10 +133,11 @@ class PagedCache(Cache):
             on a patched model, a cache pre-filled for another model is refused at its first forward.
 
     Raises:
-        TypeError: ``pool`` is not a PagePool.
-        ValueError: ``input_ids`` has no row, the prompt is longer than ``pool.max_seq_len``, ``attention_mask``
-            is not left-padded or does not have the shape of ``input_ids``, ``reserve_new_tokens`` is not a
-            non-negative int.
+        TypeError: ``pool`` is not a PagePool, ``model`` not a ``torch.nn.Module``, ``prefix_cache`` not a bool,
+            ``input_ids`` not an integer tensor.
+        ValueError: ``input_ids`` is not [batch, seq_len] or has no row, the prompt is longer than
+            ``pool.max_seq_len``, ``attention_mask`` is not left-padded or does not have the shape of
+            ``input_ids``, ``reserve_new_tokens`` is not a non-negative int.
         CacheFullError: a prefix hit needs more request rows than the pool has free.
         ValueError, at the first forward of a patched model: this cache was pre-filled with prefixes computed by
             another model, or by weights changed since (the cache is released first).
@@ -448,6 +449,21 @@ class PagedCache(Cache):
         self._step, self._step_layers = step, set()
         self.step_saw_positions = False  # whether the layers passed update() this step's position_ids
         return step
+
+    def mask_has_holes(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> bool:
+        """Whether a step's 2-D ``attention_mask`` [B, logical_len + q_len] masks a column after a row's left
+        padding (a finished row fed a pad token with mask 0, a token masked out later), which paged attention,
+        masking by each row's stored length alone, cannot apply. Only known once the cache holds a step (a first
+        step's mask is checked for holes by :meth:`plan_step`). Reads the mask on the host: a device sync."""
+        pads = self._num_pad
+        if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or pads is None
+                or not self._rows.req_rows or attention_mask.shape[1] != self.logical_len + q_len
+                or attention_mask.shape[0] not in (1, batch_size) or batch_size % len(pads)):
+            return False
+        width = attention_mask.shape[1]
+        pads = torch.tensor(pads, device=attention_mask.device).repeat_interleave(batch_size // len(pads))
+        expected = torch.arange(width, device=attention_mask.device)[None, :] >= pads[:, None]
+        return bool((attention_mask.to(torch.bool) != expected).any())
 
     def _check_padding(self, B, q, position_ids, attention_mask) -> None:
         end = self.logical_len + q
@@ -821,7 +837,10 @@ class PagedCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of the rectangle generate() has fed so far (padding included). A layer asking during a forward,
         before it stored that forward's K/V, gets the columns before the forward, as from ``DynamicCache``, whose
-        layers fill one by one (Llama 4's NoPE layers scale their queries by positions counted so)."""
+        layers fill one by one (Llama 4's NoPE layers scale their queries by positions counted so). A layer index
+        past the model's layers gets 0, as from ``DynamicCache``."""
+        if layer_idx >= self.num_layers:
+            return 0
         step = self._step
         if (step is not None and self._step_layers and layer_idx not in self._step_layers
                 and len(self._step_layers) < self._num_storing_layers):
@@ -862,13 +881,56 @@ class PagedCache(Cache):
     def __len__(self) -> int:
         return self.num_layers
 
+    @property
+    def layers(self) -> tuple["PagedLayer", ...]:
+        """One read-only :class:`PagedLayer` per model layer, as ``DynamicCache.layers`` (transformers' own code
+        walks them, e.g. ``generate()`` on Apple's MPS when it hands the cache back)."""
+        return tuple(PagedLayer(self, i) for i in range(self.num_layers))
+
+    def __iter__(self):
+        """``(keys, values, None)`` per layer, as iterating a ``DynamicCache`` gives (each a gathered copy)."""
+        for layer in self.layers:
+            yield layer.keys, layer.values, None
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as a ``DynamicCache`` holds them: [B, num_kv_heads, logical_len, head_dim] each,
+        every row's tokens right-aligned behind its left padding, the padding columns zero. A copy gathered from
+        the pool, on the layer's device; [0, num_kv_heads, 0, head_dim] while the cache holds nothing.
+
+        Raises:
+            ValueError: ``layer_idx`` is not a layer of the model.
+        """
+        layer_idx = as_int("layer_idx", layer_idx)
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx={layer_idx} is outside this cache's {self.num_layers} layers")
+        storage = self.pool.storage
+        k_layer, v_layer = storage.k[layer_idx], storage.v[layer_idx]
+        rows = self._rows
+        if not rows.req_rows:
+            empty = k_layer.new_zeros(0, k_layer.shape[1], 0, k_layer.shape[2])
+            return empty, empty.clone()
+        table = self.pool.req_to_token.table
+        width = self.logical_len
+        seq = torch.tensor([max(0, width - p) for p in self._num_pad[: len(rows.req_rows)]], device=table.device)
+        col = torch.arange(width, device=table.device)[None, :] - (width - seq)[:, None]  # token index, < 0: padding
+        slots = table[rows.req_rows].gather(1, col.clamp(min=0)).to(k_layer.device, torch.long).reshape(-1)
+        keep = (col >= 0).to(k_layer.device)[:, None, :, None]
+        B = len(rows.req_rows)
+        keys = gather_kv(k_layer, slots, B, width) * keep
+        values = gather_kv(v_layer, slots, B, width) * keep
+        return keys, values
+
     def activate_past_recording(self) -> None:
         pass
 
     # ------------------------------------------------------------------ row operations
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        """Beam search: row ``i`` becomes old row ``beam_idx[i]``. Pages are shared (ref counts), not copied."""
-        self._select_rows(torch.as_tensor(beam_idx).tolist())
+        """Beam search: row ``i`` becomes old row ``beam_idx[i]``. Pages are shared (ref counts), not copied.
+
+        Raises:
+            ValueError: an index is out of range, or ``beam_idx`` is not a 1-D sequence of integers.
+        """
+        self._select_rows(self._row_indices(beam_idx, "beam_idx", allow_bool=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times in place (``num_return_sequences`` / beams on a pre-filled cache)."""
@@ -878,8 +940,30 @@ class PagedCache(Cache):
         self._select_rows([i for i in range(n) for _ in range(repeats)])
 
     def batch_select_indices(self, indices) -> None:
-        """Keep the rows at ``indices`` (a sequence or 1-D tensor of row indices)."""
-        self._select_rows(torch.as_tensor(indices).reshape(-1).tolist())
+        """Keep the rows at ``indices``: a sequence or 1-D tensor of row indices, or a boolean mask of one entry per
+        row (rows where it is True), as ``DynamicCache`` indexes its tensors with it.
+
+        Raises:
+            ValueError: an index is out of range, a boolean mask's length is not the number of rows, or
+                ``indices`` is neither integers nor booleans.
+        """
+        self._select_rows(self._row_indices(indices, "indices", allow_bool=True))
+
+    def _row_indices(self, indices, name: str, *, allow_bool: bool) -> list[int]:
+        """``indices`` as a list of row indices (a boolean mask read as the rows where it is True)."""
+        t = torch.as_tensor(indices)
+        if t.dim() > 1:
+            t = t.reshape(-1)
+        if t.dtype == torch.bool:
+            n = len(self._rows.req_rows) or len(self._num_pad or ())
+            if not allow_bool:
+                raise ValueError(f"{name} must hold row indices, got a boolean tensor {t.tolist()}")
+            if t.numel() != n:
+                raise ValueError(f"{name} is a boolean mask of {t.numel()} entries, but the cache holds {n} rows")
+            return t.nonzero().flatten().tolist()
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"{name} must hold integer row indices, got dtype {t.dtype}")
+        return t.reshape(-1).tolist()
 
     def _select_rows(self, idx: list[int]) -> None:
         self._step, self._pending_known = None, None
@@ -1007,6 +1091,33 @@ class PagedCache(Cache):
         self.release()
 
 
+class PagedLayer:
+    """One layer of a :class:`PagedCache`, read-only, in the shape of a ``DynamicCache`` layer: ``keys`` and
+    ``values`` are [B, num_kv_heads, logical_len, head_dim] copies gathered from the pool (padding columns zero;
+    see :meth:`PagedCache.layer_kv`). Writing goes through ``PagedCache.update``."""
+
+    def __init__(self, cache: PagedCache, layer_idx: int):
+        self._cache, self.layer_idx = cache, layer_idx
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._cache.layer_kv(self.layer_idx)[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._cache.layer_kv(self.layer_idx)[1]
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._cache.is_initialized
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length(self.layer_idx)
+
+    def __repr__(self) -> str:
+        return f"PagedLayer(layer_idx={self.layer_idx}, seq_length={self.get_seq_length()})"
+
+
 def _grouped(t: torch.Tensor | None, group: int) -> bool:
     """Whether the rows of ``t`` come in runs of ``group`` identical rows (``repeat_interleave`` of a batch)."""
     if t is None:
@@ -1020,11 +1131,15 @@ def _grouped(t: torch.Tensor | None, group: int) -> bool:
 def _padding_from_positions(positions: list[int]) -> int:
     """Left-padding columns of a first-step row, read from its position ids: the row ends in ``0, 1, ..., n - 1``
     after ``q - n`` columns of one repeated value (``generate()`` gives padding position 1; ``cumsum - 1``
-    conventions give 0 or -1). Any other row (positions that restart inside it, as for packed documents) is taken
-    as all real tokens."""
+    conventions give 0 or -1). Any other row (positions that restart inside it, as for packed documents), and a row
+    of zeros only (one real token, left or right of its padding), is taken as all real tokens."""
     q, last = len(positions), int(positions[-1])
     pad = q - (last + 1)
     if pad <= 0 or positions[pad:] != list(range(last + 1)) or len(set(positions[:pad])) != 1:
+        return 0
+    if last == 0 and positions[0] == 0:
+        # all zeros: one token after padding, or (a right-padded row, against generate()'s contract) one token
+        # before it, which the positions cannot tell apart; every column is stored, which serves both
         return 0
     return pad
 
@@ -1060,6 +1175,9 @@ def cache_kwarg(model) -> str:
 
     ``"cache"`` on transformers 5.24 and later (where ``past_key_values=`` still works, with a FutureWarning),
     ``"past_key_values"`` before. Use it as ``model.generate(**inputs, **{cache_kwarg(model): cache})``.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
     """
     import inspect
 

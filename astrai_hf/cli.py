@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", parents=[with_model],
                           help="multi-turn chat through the patched generate(), then a side-by-side table")
-    demo.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=48, help="new tokens per turn (default 48)")
     gen = sub.add_parser("generate", parents=[with_model], help="answer one prompt (chat template), streamed")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gen.add_argument("prompt", help="the user message, put into the model's chat template")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="most new tokens (default 128)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     run = sub.add_parser("run", help="run an unmodified Python script with every generate() patched (zero-code)")
     run.add_argument("--max-tokens", type=_positive_int, default=None, help="token capacity of each model's pool")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("script", help="the script, run as __main__")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     bench = sub.add_parser("bench", parents=[with_model], help="benchmarks side by side: decode tok/s and KV bytes, prefix cache, packed prefill "
-                           "(about 15 minutes on 2 CPU cores for all three)")
+                           "(about 13 minutes on 2 CPU cores for all three)")
     bench.add_argument("--out", type=Path, default=None, help="folder for the markdown tables and JSON")
     bench.add_argument("--plot", type=Path, default=None, help="also draw the results side by side into this PNG")
     bench.add_argument("--suite", choices=["decode", "prefix", "prefill", "all"], default="all",
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="repeats of the prefill suite, whose table gives medians and paired ratios (default 3)")
     args = parser.parse_args(argv)
     if args.command == "run":
+        if args.model is not None:
+            print("astrai-hf: --model does not apply to run: the script loads its own models", file=sys.stderr)
+            return 2
         return _run_script(args)
 
     from transformers.utils import logging as hf_logging
@@ -73,8 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     from .models import load_model
 
-    if args.command == "bench" and args.plot is not None:
-        args.plot.parent.mkdir(parents=True, exist_ok=True)  # a bad path fails now, not after the suites ran
+    if args.command == "bench":  # a bad path fails now, in one line, not after the suites ran
+        if args.plot is not None and args.plot.is_dir():
+            print(f"astrai-hf: --plot {args.plot} is a folder; name the PNG file", file=sys.stderr)
+            return 2
+        for option, folder in (("--plot", None if args.plot is None else args.plot.parent), ("--out", args.out)):
+            try:
+                if folder is not None:
+                    folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                print(f"astrai-hf: {option}: cannot make the folder {folder}: {e.strerror or e}", file=sys.stderr)
+                return 2
     try:
         model, tokenizer = load_model(args.model)
     except (OSError, ValueError) as e:  # not there, or not a causal LM: one line, not a traceback

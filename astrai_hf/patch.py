@@ -53,7 +53,9 @@ class PatchState:
     own_pool_kwargs: dict | None = None
     module_refs: list = field(default_factory=list)  # weak references to the attention modules
     forward: object = None  # the model's own forward, which the patched one wraps (holding the model weakly)
-    # one paged generate() / forward at a time per model: calls from several threads run one after another
+    generating: int = 0  # patched generate() calls under way (nested: peft's generate calls the base model's)
+    # one paged generate() / forward at a time per model and per pool: calls from several threads run one after
+    # another. The pool's call_lock, so models sharing a pool wait for each other too (kept when the pool is rebuilt)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     # Nothing here holds the model or its modules strongly: the model and its modules hold this state, and a
@@ -142,7 +144,7 @@ def patch(
             pool.check_model(model)
             _check_chunked_attention(model, pool)
             pool.bind_model(model)
-            state.pool = pool
+            state.pool, state.lock = pool, pool.call_lock
         state.pack_prefill = pack_prefill
         state.prefill_chunk_tokens = prefill_chunk_tokens
         state.cuda_graphs = _wants_graphs(model, cuda_graphs)
@@ -175,6 +177,7 @@ def patch(
         rope_by_length=rope_depends_on_length(model.config),
         embeds_token_types=embeds_token_types(model),
         own_pool_kwargs=own_pool_kwargs,
+        lock=pool.call_lock,
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
@@ -372,7 +375,7 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
     previous = None
     if state is not None:
         previous = {name: getattr(state, name) for name in ("pool", "own_pool_kwargs", "pack_prefill",
-                                                            "prefill_chunk_tokens", "cuda_graphs")}
+                                                            "prefill_chunk_tokens", "cuda_graphs", "lock")}
     patch(model, pool, **kwargs)
     try:
         yield model
@@ -388,6 +391,7 @@ def get_pool(model: torch.nn.Module) -> PagePool:
     """The pool a patched model's ``generate()`` uses.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: the model is not patched.
     """
     state = getattr(_underlying(_as_module("get_pool()", model)), _STATE_ATTR, None)
@@ -396,8 +400,10 @@ def get_pool(model: torch.nn.Module) -> PagePool:
     return state.pool
 
 
-def is_patched(model: torch.nn.Module) -> bool:
-    return getattr(_underlying(model), _STATE_ATTR, None) is not None
+def is_patched(model) -> bool:
+    """Whether ``model`` (or the model a ``torch.compile`` wrapper wraps) is patched. Anything else, a non-module
+    included, is not: False, never an error (a question, unlike :func:`get_pool`)."""
+    return isinstance(model, torch.nn.Module) and getattr(_underlying(model), _STATE_ATTR, None) is not None
 
 
 # KV sharing where every shared layer attends with as many queries as its source (Gemma 4 cuts the shared layers'
@@ -579,6 +585,12 @@ def _wrap_forward(owner, forward, state: PatchState):
             cache.pool.check_weights(model)
             cache.checked_model = id(model)
             cache.check_prefix_hits()
+        if kwargs.get("output_attentions") or (kwargs.get("output_attentions") is None
+                                               and getattr(model.config, "output_attentions", False)):
+            # attention weights asked for (a cache of the caller's; generate() marks its own stock_attention):
+            # paged attention computes none, the model's own attention does, over K/V gathered from the pool
+            cache._rows.reusable = False
+            return forward(*args, **kwargs)
         if _custom_mask(kwargs, check_token_types=not cache.made_by_generate):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
@@ -597,11 +609,20 @@ def _wrap_forward(owner, forward, state: PatchState):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         B, q = inputs.shape[:2]
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        own_loop = not cache.made_by_generate and not state.generating  # a forward of the caller's own
+        if own_loop and cache.mask_has_holes(mask, B, q):
+            # a 0 in the mask after a row's first token (a finished row fed padding, a token masked out): paged
+            # attention sees every stored token; the model's own attention applies the mask, over the pool's K/V
+            cache._rows.reusable = False
+            return forward(*args, **kwargs)
         step = cache.plan_step(
             B,
             q,
-            position_ids=kwargs.get("position_ids"),
-            attention_mask=kwargs.get("attention_mask"),
+            # without a mask stock attention sees every column, padding included: positions that mark padding
+            # locate it only when a mask masks it (generate() always passes one)
+            position_ids=positions if mask is not None or not own_loop else None,
+            attention_mask=mask,
             input_ids=input_ids,
             paged=True,
         )
@@ -760,7 +781,11 @@ def _wrap_generate(owner, generate, state: PatchState):
     @functools.wraps(generate)
     def paged_generate(*args, **kwargs):
         with state.lock:
-            return _paged_generate(_alive(model_ref), *args, **kwargs)
+            state.generating += 1
+            try:
+                return _paged_generate(_alive(model_ref), *args, **kwargs)
+            finally:
+                state.generating -= 1
 
     def _paged_generate(model, *args, **kwargs):
         passed = kwargs.get("generation_config")
@@ -944,6 +969,7 @@ def _rebuild_pool(model, state: PatchState) -> None:
     prefixes were computed by the model before the move)."""
     old = state.pool
     state.pool = PagePool.from_model(model, **state.own_pool_kwargs)
+    state.pool.call_lock = state.lock  # (held by this call; calls waiting on it must find the model's new pool)
     state.checked_pools.add(id(state.pool))
     runner = state.runners.pop(id(old), None)
     if runner is not None:

@@ -17,7 +17,8 @@ inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=
 stock = model.generate(**inputs, max_new_tokens=24, do_sample=False)
 
 pool = PagePool.from_model(model, max_tokens=4096, page_size=16)
-with PagedCache(pool) as cache:  # unpatched model: stock attention over K/V gathered from the pool
+# unpatched model: stock attention over K/V gathered from the pool; the prompt tells the cache its padding
+with PagedCache(pool, inputs["input_ids"], inputs["attention_mask"]) as cache:
     # the cache keyword: `cache=` on transformers 5.24 and later, `past_key_values=` before
     unpatched = model.generate(**inputs, max_new_tokens=24, do_sample=False, **{astrai_hf.cache_kwarg(model): cache})
     print("stored tokens per row (no padding):", cache.seq_lens, "| pages:", pool.stats()["num_used_pages"])

@@ -28,7 +28,9 @@ def settings_from_env(environ=None) -> dict:
     """Pool keyword arguments read from ``ASTRAI_HF_*`` variables.
 
     Raises:
-        ValueError: a variable is not an integer.
+        ValueError: ``ASTRAI_HF_MAX_TOKENS`` or ``ASTRAI_HF_PAGE_SIZE`` is not an integer (:func:`install`
+            checks the sizes), or
+            ``ASTRAI_HF_PREFIX_CACHE`` is none of 1/0, true/false, yes/no, on/off.
     """
     environ = os.environ if environ is None else environ
     out = {}

@@ -31,8 +31,11 @@ def test_page_boundaries(llama, prompt_len, new_tokens):
     cache = PagedCache(pool)
     out = llama.generate(ids, attention_mask=mask, **kwargs, **{_kw(llama): cache})
     assert torch.equal(out, ref)
-    real = mask.sum(-1)
-    expected = (real + new_tokens - 1).tolist()  # the last generated token is never fed back
+    # The cache reads the padding from the positions the layers pass update(). A row of one real token has
+    # positions of zeros only, as a right-padded row of one token has: there every column is stored, which is
+    # right for both. The last generated token is never fed back.
+    stored = [ids.shape[1] if n == 1 else n for n in mask.sum(-1).tolist()]
+    expected = [n + new_tokens - 1 for n in stored]
     assert cache.seq_lens == expected, "padding must not be stored"
     assert cache.num_pages == sum(-(-n // PAGE) for n in expected)
     cache.release()
@@ -190,6 +193,25 @@ def test_right_padding_is_refused_with_a_clear_error(llama):
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     with pytest.raises(ValueError, match="left-padded"):
         PagedCache(pool, torch.ones(2, 3, dtype=torch.long), mask)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_a_right_padded_row_of_one_token_unpatched_gives_the_tokens_of_stock(arch):
+    # against generate()'s contract, and stock warns, but a cache told nothing reads padding from the positions
+    # alone, and a row of one token has positions of zeros whichever side its padding is on: every column is kept
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([1, 6, 4], seed=5)
+    for r in range(ids.shape[0]):  # padding moved to the right
+        n = int(mask[r].sum())
+        ids[r] = torch.cat([ids[r, -n:], ids[r, :-n]]) if n < ids.shape[1] else ids[r]
+        mask[r] = torch.cat([mask[r, -n:], mask[r, :-n]]) if n < ids.shape[1] else mask[r]
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=5)
+    ref = model.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=256, page_size=PAGE)
+    with PagedCache(pool) as cache:
+        assert torch.equal(model.generate(ids, **kw, **{_kw(model): cache}), ref)
+    assert pool.stats()["num_used_pages"] == 0
 
 
 def test_row_operations_share_pages(llama):

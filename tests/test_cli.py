@@ -82,3 +82,25 @@ def test_a_plot_path_in_a_folder_not_there_yet_is_made_before_the_suites_run(tmp
     with pytest.raises(_Loaded):
         main(["bench", "--plot", str(plot)])
     assert plot.parent.is_dir()
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--out", "{file}"],
+    ["bench", "--plot", "{file}/chart.png"],
+    ["bench", "--plot", "{folder}"],
+])
+def test_an_output_path_that_cannot_be_written_is_one_line_before_the_model_loads(argv, tmp_path, monkeypatch,
+                                                                                  capsys):
+    monkeypatch.setattr(astrai_hf.models, "load_model", lambda path=None: (_ for _ in ()).throw(_Loaded(path)))
+    (tmp_path / "a_file").write_text("")
+    argv = [a.format(file=tmp_path / "a_file", folder=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("cannot make the folder" in err or "is a folder" in err), err
+
+
+def test_model_before_run_is_refused_not_ignored(tmp_path, capsys):
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit(7)\n")
+    assert main(["--model", "some/folder", "run", str(script)]) == 2
+    assert "--model does not apply to run" in capsys.readouterr().err

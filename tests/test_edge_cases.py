@@ -69,7 +69,7 @@ def test_candidate_generation_after_a_prefix_hit(candidates):
         assert _used(model) == 0
 
 
-@pytest.mark.parametrize("other", ["other weights", "one embedding row changed"])
+@pytest.mark.parametrize("other", ["other weights", "one embedding row changed", "values moved within a run"])
 def test_two_models_on_one_pool_never_share_kv(other):
     import copy
 
@@ -77,6 +77,13 @@ def test_two_models_on_one_pool_never_share_kv(other):
     ids, mask = left_padded_batch([7, 12], seed=2)
     if other == "other weights":
         b = tiny_model("llama", seed=1)
+    elif other == "values moved within a run":
+        # the same values in other places, within one run of the weights digest (4 rows of 64 float32 words):
+        # a digest that only summed the words would not see it
+        b = copy.deepcopy(a)
+        with torch.no_grad():
+            for layer in b.model.layers:
+                layer.self_attn.v_proj.weight[:4] = layer.self_attn.v_proj.weight[:4].flip(0).clone()
     else:  # a copy with one token's embedding set anew (a new special token, say), and that token in the prompts
         b = copy.deepcopy(a)
         ids[:, -5] = 90
@@ -173,6 +180,49 @@ def test_generate_from_several_threads():
         astrai_hf.unpatch(model)
     assert model.config._attn_implementation == implementation
     assert torch.equal(model.generate(batches[0][0], attention_mask=batches[0][1], **kw), refs[0])
+
+
+def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other():
+    # the pool's prefix cache belongs to one model at a time: a call of the other model between two steps of a
+    # call would clear it under that call. Here b's call starts from a streamer of a's, in the middle of a's call
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids, mask = left_padded_batch([20], seed=3)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=12)
+    refs = {"a": a.generate(ids, **kw), "b": b.generate(ids, **kw)}
+    astrai_hf.patch(a, max_tokens=1024, page_size=4)
+    astrai_hf.patch(b, pool=astrai_hf.get_pool(a))
+    results = {}
+
+    def call_b():
+        try:
+            results["b"] = b.generate(ids, **kw)
+        except Exception as e:  # recorded, checked below
+            results["b"] = e
+
+    class StartsB:
+        steps, thread = 0, None
+
+        def put(self, value):
+            self.steps += 1
+            if self.steps == 4:
+                self.thread = threading.Thread(target=call_b)
+                self.thread.start()
+                self.thread.join(timeout=1.0)  # b waits for a's call to end: it cannot finish meanwhile
+
+        def end(self):
+            pass
+
+    try:
+        a.generate(ids, **kw)  # a's prompt in the prefix cache: a's next call starts from a hit
+        streamer = StartsB()
+        results["a"] = a.generate(ids, **kw, streamer=streamer)
+        streamer.thread.join()
+        for name, out in results.items():
+            assert isinstance(out, torch.Tensor) and torch.equal(out, refs[name]), (name, out)
+        assert _used(a) == 0
+    finally:
+        astrai_hf.unpatch(a)
+        astrai_hf.unpatch(b)
 
 
 def test_attentions_and_hidden_states_of_every_position():

@@ -1,0 +1,214 @@
+"""Forwards of the caller's own on a PagedCache (research code's decode loops), against DynamicCache: the same
+logits, the Cache API transformers' own code and users reach for, and masks only a hand-written loop makes."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import astrai_hf
+from astrai_hf import PagedCache, PagePool
+from tiny_models import left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.equivalence
+
+ARCHS = ["llama", "qwen2", "gemma2", "gpt2", "opt"]
+
+
+def _dynamic(model):
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # (older releases take no config)
+        return DynamicCache()
+
+
+def _greedy_loop(model, cache, ids, mask, steps=6, **prefill_kwargs):
+    """Prefill, then one token per step with the mask grown by a column of ones: (tokens [B, steps], logits
+    [B, steps, vocab])."""
+    kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, **prefill_kwargs, **kw)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            tokens.append(tok)
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            out = model(input_ids=tok, attention_mask=mask, **kw)
+            logits.append(out.logits[:, -1])
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    return torch.cat(tokens, 1), torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_padded_prefill_with_logits_to_keep_and_no_position_ids_equals_dynamic_cache(arch):
+    # generate() passes position_ids; a loop of one's own may not, and then the model counts positions itself
+    # (from the column for most families, padding included): such a prefill is not packed, whose rows would
+    # count their own positions and store K/V rotated for other positions than the decode steps that follow
+    model = tiny_model(arch, seed=3)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.div_(3.0)  # less peaked logits: a position error flips tokens
+    ids, mask = left_padded_batch([2, 12, 6], seed=3)
+    ref_tokens, ref_logits = _greedy_loop(model, _dynamic(model), ids, mask, logits_to_keep=1)
+    pool = PagePool.from_model(model, max_tokens=1024)
+    with astrai_hf.patched(model, pool=pool), PagedCache(pool, prefix_cache=False) as cache:
+        tokens, logits = _greedy_loop(model, cache, ids, mask, logits_to_keep=1)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def _loop_with_a_masked_column(model, cache, ids, mask):
+    """Row 1 is fed a pad token with mask 0 after its prompt (a finished row), then every row decodes on."""
+    kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, **kw)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        new = torch.tensor([[1], [0], [1]])
+        tok = torch.where(new.bool(), tok, 0)
+        mask = torch.cat([mask, new], 1)
+        for _ in range(4):
+            out = model(input_ids=tok, attention_mask=mask, **kw)
+            logits.append(out.logits[:, -1])
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_a_column_masked_after_the_prompt_is_masked_as_stock_masks_it(arch):
+    # paged attention masks by each row's stored length alone: such a step runs the model's own attention over
+    # the pool's K/V, which applies the mask
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([3, 7, 5], seed=1)
+    ref = _loop_with_a_masked_column(model, _dynamic(model), ids, mask)
+    pool = PagePool.from_model(model, max_tokens=1024)
+    with astrai_hf.patched(model, pool=pool):
+        with PagedCache(pool) as cache:
+            got = _loop_with_a_masked_column(model, cache, ids, mask)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        assert pool.stats()["num_used_pages"] == 0
+        # such a row's K/V follow from more than its token ids: none of it went to the prefix cache
+        assert pool.stats()["num_cached_pages"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_forward_of_ones_own_asking_for_attentions_gets_them(arch):
+    model = tiny_model(arch)
+    model.set_attn_implementation("eager")  # (sdpa returns no weights, in stock too; gemma2 is eager already)
+    ids, mask = left_padded_batch([3, 7, 5], seed=1)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=True,
+                    **{astrai_hf.cache_kwarg(model): _dynamic(model)}).attentions
+        pool = PagePool.from_model(model, max_tokens=1024)
+        with astrai_hf.patched(model, pool=pool), PagedCache(pool) as cache:
+            got = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=True,
+                        **{astrai_hf.cache_kwarg(model): cache}).attentions
+    assert len(got) == len(ref) > 0
+    for g, r in zip(got, ref):
+        real = mask.bool()[:, None, :, None] & mask.bool()[:, None, None, :]  # (rows of padding are meaningless)
+        torch.testing.assert_close(g * real, r * real, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
+def test_a_padded_batch_with_positions_but_no_mask_attends_the_padding_as_stock(arch):
+    # without a mask stock attention sees every column; positions that mark padding do not make a patched
+    # forward of one's own drop it
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([3, 7, 5], seed=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    kw = dict(input_ids=ids, position_ids=positions, use_cache=True)
+    with torch.no_grad():
+        ref = model(**kw, **{astrai_hf.cache_kwarg(model): _dynamic(model)}).logits
+        pool = PagePool.from_model(model, max_tokens=1024)
+        with astrai_hf.patched(model, pool=pool), PagedCache(pool) as cache:
+            got = model(**kw, **{astrai_hf.cache_kwarg(model): cache}).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_batch_select_indices_takes_a_boolean_mask_of_rows_as_dynamic_cache_does(patched):
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 7, 5], seed=1)
+    kw = lambda cache: {astrai_hf.cache_kwarg(model): cache, "use_cache": True}  # noqa: E731
+    pool = PagePool.from_model(model, max_tokens=1024)
+    results = []
+    with torch.no_grad(), (astrai_hf.patched(model, pool=pool) if patched else _nothing()):
+        for make in (lambda: _dynamic(model), lambda: PagedCache(pool, prefix_cache=False)):
+            cache = make()
+            out = model(input_ids=ids, attention_mask=mask, **kw(cache))
+            tok = out.logits[:, -1:].argmax(-1)
+            keep = torch.tensor([True, False, True])
+            cache.batch_select_indices(keep)
+            m = torch.cat([mask[keep], torch.ones(2, 1, dtype=mask.dtype)], 1)
+            results.append(model(input_ids=tok[keep], attention_mask=m, **kw(cache)).logits)
+            if isinstance(cache, PagedCache):
+                with pytest.raises(ValueError, match="boolean mask of 3 entries, but the cache holds 2 rows"):
+                    cache.batch_select_indices(torch.tensor([True, False, True]))
+                with pytest.raises(ValueError, match="integer row indices"):
+                    cache.batch_select_indices(torch.tensor([0.0, 1.0]))
+                with pytest.raises(ValueError, match="boolean tensor"):
+                    cache.reorder_cache(torch.tensor([True, True]))
+                cache.release()
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_layers_and_iteration_give_the_keys_and_values_dynamic_cache_holds():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 8, 5], seed=2)
+    with torch.no_grad():
+        ref = _dynamic(model)
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{astrai_hf.cache_kwarg(model): ref})
+        pool = PagePool.from_model(model, max_tokens=1024)
+        with PagedCache(pool, ids, mask) as cache:
+            assert not cache.layers[0].is_initialized
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{astrai_hf.cache_kwarg(model): cache})
+            real = mask.bool()[:, None, :, None]
+            assert len(cache.layers) == len(ref.layers) == model.config.num_hidden_layers
+            for got, want in zip(cache.layers, ref.layers):
+                assert got.keys.shape == want.keys.shape and got.get_seq_length() == want.get_seq_length()
+                torch.testing.assert_close(got.keys * real, want.keys * real, rtol=0, atol=0)
+                torch.testing.assert_close(got.values * real, want.values * real, rtol=0, atol=0)
+                assert not got.keys[~real.expand_as(got.keys)].any()  # padding is not stored: zeros there
+            assert [k.shape for k, _, _ in cache] == [k.shape for k, _, _ in ref]
+            assert cache.get_seq_length(model.config.num_hidden_layers) == 0 == ref.get_seq_length(5)
+            with pytest.raises(ValueError, match="layer_idx=7 is outside"):
+                cache.layer_kv(7)
+    empty = PagedCache(pool)
+    assert empty.layers[1].keys.shape == (0, 2, 0, 16) and not empty.layers[1].is_initialized
+
+
+def test_generate_hands_back_a_cache_whose_layers_transformers_can_walk():
+    # transformers' deferred stop check (Apple's MPS) walks cache.layers when generate() returns the cache; a
+    # CPU stands in for the device here
+    from transformers.generation import utils as generation_utils
+
+    if not hasattr(generation_utils, "DeferredStopCheck"):
+        pytest.skip("this transformers release has no deferred stop check")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 5
+    ids, mask = left_padded_batch([3, 7, 5])
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw).sequences
+
+    class _Event:  # a host-side event: the CPU runs in order
+        def __init__(self, *args, **kwargs):
+            pass
+
+        record = synchronize = lambda self: None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "Event", _Event)
+        mp.setattr(generation_utils.DeferredStopCheck, "is_supported", staticmethod(lambda *a, **k: True))
+        with astrai_hf.patched(model):
+            out = model.generate(ids, **kw).sequences
+            assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+    assert torch.equal(out, ref)
