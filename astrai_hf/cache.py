@@ -451,16 +451,17 @@ class PagedCache(Cache):
         return step
 
     def mask_has_holes(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> bool:
-        """Whether a step's 2-D ``attention_mask`` [B, logical_len + q_len] masks a column after a row's left
+        """Whether a step's 2-D ``attention_mask`` [B, logical_len + q_len or wider] masks a column after a row's left
         padding (a finished row fed a pad token with mask 0, a token masked out later), which paged attention,
         masking by each row's stored length alone, cannot apply. Only known once the cache holds a step (a first
         step's mask is checked for holes by :meth:`plan_step`). Reads the mask on the host: a device sync."""
         pads = self._num_pad
+        width = self.logical_len + q_len
         if (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or pads is None
-                or not self._rows.req_rows or attention_mask.shape[1] != self.logical_len + q_len
+                or not self._rows.req_rows or attention_mask.shape[1] < width
                 or attention_mask.shape[0] not in (1, batch_size) or batch_size % len(pads)):
             return False
-        width = attention_mask.shape[1]
+        attention_mask = attention_mask[:, :width]  # a mask made at its final width up front: stock cuts it so
         pads = torch.tensor(pads, device=attention_mask.device).repeat_interleave(batch_size // len(pads))
         expected = torch.arange(width, device=attention_mask.device)[None, :] >= pads[:, None]
         return bool((attention_mask.to(torch.bool) != expected).any())
@@ -883,8 +884,10 @@ class PagedCache(Cache):
 
     @property
     def layers(self) -> tuple["PagedLayer", ...]:
-        """One read-only :class:`PagedLayer` per model layer, as ``DynamicCache.layers`` (transformers' own code
-        walks them, e.g. ``generate()`` on Apple's MPS when it hands the cache back)."""
+        """One read-only :class:`PagedLayer` per model layer, in the manner of ``DynamicCache.layers``
+        (transformers' own code walks them, e.g. ``generate()`` on Apple's MPS when it hands the cache back). Under
+        KV sharing (Gemma 3n) a sharing layer's entry shows its source layer's K/V, where ``DynamicCache`` has no
+        entry for it."""
         return tuple(PagedLayer(self, i) for i in range(self.num_layers))
 
     def __iter__(self):

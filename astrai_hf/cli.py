@@ -80,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot is not None and args.plot.is_dir():
             print(f"astrai-hf: --plot {args.plot} is a folder; name the PNG file", file=sys.stderr)
             return 2
+        if args.plot is not None:
+            from .plots import check_plot_path
+
+            try:
+                check_plot_path(args.plot)
+            except (ImportError, ValueError) as e:
+                print(f"astrai-hf: --plot: {e}", file=sys.stderr)
+                return 2
         for option, folder in (("--plot", None if args.plot is None else args.plot.parent), ("--out", args.out)):
             try:
                 if folder is not None:

@@ -29,6 +29,9 @@ _STATE_ATTR = "_astrai_patch_state"
 logger = logging.getLogger(__name__)
 
 
+CALL_LOCK = threading.RLock()  # see PatchState.lock
+
+
 @dataclass(eq=False)
 class PatchState:
     """What a patched model carries: its default pool, the step being run, and what to restore on unpatch."""
@@ -54,9 +57,11 @@ class PatchState:
     module_refs: list = field(default_factory=list)  # weak references to the attention modules
     forward: object = None  # the model's own forward, which the patched one wraps (holding the model weakly)
     generating: int = 0  # patched generate() calls under way (nested: peft's generate calls the base model's)
-    # one paged generate() / forward at a time per model and per pool: calls from several threads run one after
-    # another. The pool's call_lock, so models sharing a pool wait for each other too (kept when the pool is rebuilt)
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    # one paged generate() / forward at a time in the process: calls from several threads run one after another.
+    # One lock for every patched model: models sharing a pool must wait for each other (a call of one between
+    # another's steps would rebind the pool and clear its prefix cache), and a lock per pool would deadlock two
+    # threads whose calls nest across pools (assisted decoding, an assistant on the other pool)
+    lock: threading.RLock = field(default_factory=lambda: CALL_LOCK)
 
     # Nothing here holds the model or its modules strongly: the model and its modules hold this state, and a
     # cycle through them would be freed only by the garbage collector, keeping the pool's K/V memory until then.
@@ -143,8 +148,9 @@ def patch(
         if pool is not None:
             pool.check_model(model)
             _check_chunked_attention(model, pool)
+            _check_window_in_mask(model, pool)
             pool.bind_model(model)
-            state.pool, state.lock = pool, pool.call_lock
+            state.pool = pool
         state.pack_prefill = pack_prefill
         state.prefill_chunk_tokens = prefill_chunk_tokens
         state.cuda_graphs = _wants_graphs(model, cuda_graphs)
@@ -163,6 +169,7 @@ def patch(
         raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
     pool.check_model(model)
     _check_chunked_attention(model, pool)
+    _check_window_in_mask(model, pool)
     pool.bind_model(model)
     attention.register()
 
@@ -177,7 +184,6 @@ def patch(
         rope_by_length=rope_depends_on_length(model.config),
         embeds_token_types=embeds_token_types(model),
         own_pool_kwargs=own_pool_kwargs,
-        lock=pool.call_lock,
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
@@ -375,7 +381,7 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
     previous = None
     if state is not None:
         previous = {name: getattr(state, name) for name in ("pool", "own_pool_kwargs", "pack_prefill",
-                                                            "prefill_chunk_tokens", "cuda_graphs", "lock")}
+                                                            "prefill_chunk_tokens", "cuda_graphs")}
     patch(model, pool, **kwargs)
     try:
         yield model
@@ -429,6 +435,11 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
         if getattr(m, "is_causal", True) is False:
             return (f"{type(m).__name__} attends both ways (is_causal=False: an encoder's self-attention; load the "
                     "checkpoint with is_decoder=True in its config for causal generation)")
+        mask = own_attention_mask(type(m))
+        if mask is not None:
+            return (f"{type(m).__name__} hands the attention function a mask of its own making (`{mask}`, computed "
+                    "in its forward: a learned bias per key, a top-k selection of keys), which paged attention, "
+                    "masking by each row's length, cannot apply; a PagedCache without patch() serves it")
         rewritten = kv_rewritten_after_update(type(m))
         if rewritten is not None:
             return (f"{type(m).__name__} changes K/V between storing them in the cache and attending to them "
@@ -473,6 +484,58 @@ def kv_rewritten_after_update(cls: type) -> str | None:
     return None
 
 
+def _attention_calls(cls: type) -> tuple[ast.FunctionDef, list[ast.Call]] | None:
+    """``cls.forward``'s syntax tree and its ``attention_interface(...)`` calls, or None when the source cannot
+    be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if fn is None:
+        return None
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "attention_interface"]
+    return fn, calls
+
+
+@functools.cache
+def own_attention_mask(cls: type) -> str | None:
+    """The mask expression ``cls.forward`` hands ``attention_interface(module, q, k, v, mask, ...)`` when it is not
+    the mask the forward was given (one of its parameters, not given a value computed in the forward): a mask of
+    the module's own making, such as Doge's key bias with top-k masking, or the top-k key selection of sparse
+    attention with an indexer. None otherwise, or when the source cannot be read."""
+    found = _attention_calls(cls)
+    if found is None:
+        return None
+    fn, calls = found
+    params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+    # names given a value computed in the forward (taking another mask the forward was given, as GPT-2's
+    # cross-attention takes encoder_attention_mask, is no mask of the module's own)
+    assigned = {t.id for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                and not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id in params)
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in ast.walk(target) if isinstance(t, ast.Name)}
+    for call in calls:
+        mask = call.args[4] if len(call.args) > 4 else next(
+            (k.value for k in call.keywords if k.arg == "attention_mask"), None)
+        if mask is None or (isinstance(mask, ast.Constant) and mask.value is None):
+            continue
+        if not (isinstance(mask, ast.Name) and mask.id in params and mask.id not in assigned):
+            return ast.unparse(mask)[:60]
+    return None
+
+
+@functools.cache
+def passes_sliding_window(cls: type) -> bool:
+    """Whether ``cls.forward`` hands ``attention_interface`` a ``sliding_window=`` (True when the source cannot be
+    read: nothing is known against it). Modules that do not leave a window of the config to the mask alone."""
+    found = _attention_calls(cls)
+    if found is None or not found[1]:
+        return True
+    return all(any(k.arg == "sliding_window" for k in call.keywords) for call in found[1])
+
+
 def _is_update(node: ast.AST) -> bool:
     """A ``<cache>.update(key, value, layer_idx, ...)`` call."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
@@ -498,6 +561,31 @@ def _check_chunked_attention(model: torch.nn.Module, pool: PagePool) -> None:
             f"{type(model).__name__} uses chunked attention (attention_chunk_size={chunk}), which paged attention "
             f"computes only for rows of at most {chunk} tokens, but the pool holds rows of up to "
             f"max_seq_len={pool.max_seq_len}; build it with PagePool.from_model(model, max_seq_len={chunk})"
+        )
+
+
+def _check_window_in_mask(model: torch.nn.Module, pool: PagePool) -> None:
+    """A sliding window that the model applies through its mask alone (its attention modules pass no
+    ``sliding_window=`` to the attention function: PhiMoE, Qwen2-MoE with ``use_sliding_window``) is not seen by
+    paged attention, which masks by each row's length. It bites only on rows longer than the window, so a pool whose
+    ``max_seq_len`` is at most the window serves such a model.
+
+    Raises:
+        NotImplementedError: the pool's rows may be longer than such a window.
+    """
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if (not isinstance(window, int) or isinstance(window, bool) or window <= 0
+            or getattr(text, "use_sliding_window", True) is False or pool.max_seq_len <= window):
+        return
+    silent = sorted({type(m).__name__ for m in attention_modules(model) if not passes_sliding_window(type(m))})
+    if silent:
+        raise NotImplementedError(
+            f"{type(model).__name__} applies its sliding window (sliding_window={window}) through the attention mask "
+            f"only ({', '.join(silent)} pass the attention function no sliding_window), which paged attention does "
+            f"not read, and the pool holds rows of up to max_seq_len={pool.max_seq_len}; build it with "
+            f"PagePool.from_model(model, max_seq_len={window}), or use a PagedCache without patch()"
         )
 
 
@@ -969,7 +1057,6 @@ def _rebuild_pool(model, state: PatchState) -> None:
     prefixes were computed by the model before the move)."""
     old = state.pool
     state.pool = PagePool.from_model(model, **state.own_pool_kwargs)
-    state.pool.call_lock = state.lock  # (held by this call; calls waiting on it must find the model's new pool)
     state.checked_pools.add(id(state.pool))
     runner = state.runners.pop(id(old), None)
     if runner is not None:

@@ -68,7 +68,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     where a value sits, not only which values there are); the digest hashes those sums. A change to any single
     word changes its run's sum; several changes in one run (values moved, swapped or negated in pairs) leave it
     alike only by a 1-in-2**32 chance. It costs a few elementwise passes over the weights on their own device
-    (about 1 ns per 32-bit word on a 2-core CPU: 0.1 s for the 135M embedded model in float32), and no copy to the host beyond the sums. It is computed when
+    (about 0.3 s for the 135M embedded model in float32 on a 2-core CPU), and no copy to the host beyond the sums. It is computed when
     a pool binds a model and after the weights changed, not per call.
 
     Buffers count because some set what the layers compute as weights do (RoPE's ``inv_freq``, from the config's
@@ -88,7 +88,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 _WORDS_PER_SUM = 256
-_WEIGHTS_DIGEST = "mixed-word-sums-256"  # the scheme, part of every digest: a file of another scheme is refused as such
+_WEIGHTS_DIGEST = "fmix-word-sums-256"  # the scheme, part of every digest: a file of another scheme is refused as such
 _CHUNK_RUNS = 1 << 14  # runs reduced per pass: bounds the temporaries to 16 MiB whatever the tensor's size
 
 
@@ -98,20 +98,23 @@ def _int32(x: int) -> int:
 
 # one odd multiplier per place in a run (odd: multiplying by it is a bijection of the 32-bit words)
 _PLACE = [_int32((2 * i + 1) * 0x9E3779B1) for i in range(_WORDS_PER_SUM)]
-_FINAL = _int32(0x85EBCA6B)  # odd, a finalising multiplier of MurmurHash3's mixer
+_FINAL, _FINAL2 = _int32(0x85EBCA6B), _int32(0xC2B2AE35)  # odd: MurmurHash3's finalising multipliers
 
 
 def _run_sums(t: torch.Tensor) -> bytes:
     """The tensor's bytes as int32 words; each run of ``_WORDS_PER_SUM`` words (the last one shorter) reduced to
-    ``sum_i mix(word_i * place_i)`` modulo 2**32, where ``place_i`` is an odd constant per place in the run and
-    ``mix(x) = (x ^ (x >>> 15)) * c`` (logical shift, xor, multiply by an odd constant: the finaliser step of MurmurHash3,
-    a bijection). Each word's term is a bijection of that word, so a change of one word always changes the sum;
+    ``sum_i fmix(word_i * place_i)`` modulo 2**32, where ``place_i`` is an odd constant per place in the run and
+    ``fmix`` is MurmurHash3's 32-bit finaliser (xor-shifts and multiplications by odd constants: a bijection that
+    spreads each input bit over the output). Each word's term is a bijection of that word, so a change of one word
+    always changes the sum;
     integer arithmetic wraps the same way on every device, so the sums do not depend on where the tensor lives.
     A tail of fewer than 4 bytes is taken as is."""
     try:
         raw = t.contiguous().reshape(-1).view(torch.uint8)
     except (RuntimeError, TypeError):  # a tensor subclass without a byte view: its values, in float64
         raw = t.to(torch.float64).contiguous().reshape(-1).view(torch.uint8)
+    if raw.storage_offset() % 4:  # a view at an odd place in its storage (vector_to_parameters): words need a copy
+        raw = raw.clone()
     whole = raw.numel() // 4 * 4
     words = raw[:whole].view(torch.int32)
     place = torch.tensor(_PLACE, dtype=torch.int32, device=words.device)
@@ -130,9 +133,15 @@ def _run_sums(t: torch.Tensor) -> bytes:
 
 
 def _mixed(words: torch.Tensor, place: torch.Tensor) -> torch.Tensor:
+    # MurmurHash3's 32-bit finaliser over word * place: every step a bijection, and a flipped input bit flips
+    # about half the output bits, so the changes of two words cancel in a run's sum by chance alone. Shifts are
+    # logical: the masks drop the copies of the sign bit an int32 shift brings in
     x = words * place
-    x ^= (x >> 15) & 0x1FFFF  # a logical shift (the mask drops the copies of the sign bit an int32 shift brings in)
+    x ^= (x >> 16) & 0xFFFF
     x *= _FINAL
+    x ^= (x >> 13) & 0x7FFFF
+    x *= _FINAL2
+    x ^= (x >> 16) & 0xFFFF
     return x
 
 

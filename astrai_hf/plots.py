@@ -30,6 +30,24 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, ti
     ax.legend(fontsize=7)
 
 
+def check_plot_path(path: str | Path) -> None:
+    """Fail now, not after the benchmarks ran, where ``path`` cannot take a chart.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install astrai-hf[plot]``).
+        ValueError: matplotlib writes no file of ``path``'s suffix.
+    """
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as e:
+        raise ImportError("charts need matplotlib: pip install 'astrai-hf[plot]'") from e
+    suffix = Path(path).suffix.lower().lstrip(".")
+    supported = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in supported:
+        raise ValueError(f"cannot draw a chart into {str(path)!r}: name a file ending in one of "
+                         f"{', '.join('.' + k for k in sorted(supported))} (e.g. chart.png)")
+
+
 def plot(results: dict, path: str | Path) -> Path:
     """Draw every suite in ``results`` (as :func:`load_results` returns) into one PNG at ``path``.
 

@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import logging
 import numbers
-import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,10 +130,6 @@ class PagePool:
             self.req_to_token = ReqToTokenPool(max_reqs, min(max_seq_len, capacity), layer_devices[0])
         self.prefix_cache = PrefixCache(self.allocator, page_size) if as_flag("prefix_cache", prefix_cache) else None
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
-        # the models patched onto this pool run their generate() and forward calls one at a time, all of them
-        # together (patch.PatchState.lock is this lock): a call of one model between another's steps would rebind
-        # the pool and clear the prefix cache under it
-        self.call_lock = threading.RLock()
         self._model_ref = None
         self._model_fingerprint: str | None = None
         self._weights_version: _WeightsVersion | None = None

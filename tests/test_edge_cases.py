@@ -225,6 +225,38 @@ def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other():
         astrai_hf.unpatch(b)
 
 
+def test_assisted_decoding_across_two_pools_from_two_threads_does_not_deadlock():
+    # A (pool P) assisted by B (pool Q) in one thread, C (pool Q) assisted by D (pool P) in another: calls nest
+    # across the pools in both orders
+    a, b, c, d = (tiny_model("llama", seed=s) for s in range(4))
+    ids, mask = left_padded_batch([6])
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    refs = {id(m): m.generate(ids, assistant_model=asst, **kw) for m, asst in ((a, b), (c, d))}
+    p = PagePool.from_model(a, max_tokens=1024, page_size=4)
+    q = PagePool.from_model(b, max_tokens=1024, page_size=4)
+    for model, pool in ((a, p), (d, p), (b, q), (c, q)):
+        astrai_hf.patch(model, pool=pool)
+    outs = {id(a): [], id(c): []}
+
+    def work(main, assistant):
+        for _ in range(4):
+            outs[id(main)].append(main.generate(ids, assistant_model=assistant, **kw))
+
+    threads = [threading.Thread(target=work, args=pair, daemon=True) for pair in ((a, b), (c, d))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "deadlocked"
+        for key, got in outs.items():
+            assert len(got) == 4 and all(torch.equal(o, refs[key]) for o in got)
+        assert p.stats()["num_used_pages"] == q.stats()["num_used_pages"] == 0
+    finally:
+        for model in (a, b, c, d):
+            astrai_hf.unpatch(model)
+
+
 def test_attentions_and_hidden_states_of_every_position():
     model = tiny_model("llama", attn_implementation="eager")
     x = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))

@@ -56,35 +56,38 @@ def test_a_padded_prefill_with_logits_to_keep_and_no_position_ids_equals_dynamic
     assert pool.stats()["num_used_pages"] == 0
 
 
-def _loop_with_a_masked_column(model, cache, ids, mask):
-    """Row 1 is fed a pad token with mask 0 after its prompt (a finished row), then every row decodes on."""
+def _loop_with_a_masked_column(model, cache, ids, mask, full_width):
+    """Row 1 is fed a pad token with mask 0 after its prompt (a finished row), then every row decodes on. With
+    ``full_width`` the loop makes its mask at the final width up front and passes all of it at every step (stock
+    cuts it to the columns so far)."""
     kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
-    logits = []
+    steps, logits = 4, []
+    final = torch.cat([mask, torch.ones(mask.shape[0], steps, dtype=mask.dtype)], 1)
+    final[1, mask.shape[1]] = 0
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, **kw)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        new = torch.tensor([[1], [0], [1]])
-        tok = torch.where(new.bool(), tok, 0)
-        mask = torch.cat([mask, new], 1)
-        for _ in range(4):
-            out = model(input_ids=tok, attention_mask=mask, **kw)
+        tok = torch.where(final[:, mask.shape[1] :][:, :1].bool(), tok, 0)
+        for i in range(steps):
+            width = mask.shape[1] + i + 1
+            out = model(input_ids=tok, attention_mask=final if full_width else final[:, :width], **kw)
             logits.append(out.logits[:, -1])
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones_like(tok)], 1)
     return torch.stack(logits, 1)
 
 
+@pytest.mark.parametrize("full_width", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
-def test_a_column_masked_after_the_prompt_is_masked_as_stock_masks_it(arch):
+def test_a_column_masked_after_the_prompt_is_masked_as_stock_masks_it(arch, full_width):
     # paged attention masks by each row's stored length alone: such a step runs the model's own attention over
     # the pool's K/V, which applies the mask
     model = tiny_model(arch)
     ids, mask = left_padded_batch([3, 7, 5], seed=1)
-    ref = _loop_with_a_masked_column(model, _dynamic(model), ids, mask)
+    ref = _loop_with_a_masked_column(model, _dynamic(model), ids, mask, full_width)
     pool = PagePool.from_model(model, max_tokens=1024)
     with astrai_hf.patched(model, pool=pool):
         with PagedCache(pool) as cache:
-            got = _loop_with_a_masked_column(model, cache, ids, mask)
+            got = _loop_with_a_masked_column(model, cache, ids, mask, full_width)
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
         assert pool.stats()["num_used_pages"] == 0
         # such a row's K/V follow from more than its token ids: none of it went to the prefix cache

@@ -381,6 +381,38 @@ def test_the_weights_digest_sees_one_value_changed_or_two_rows_swapped():
         assert weights_fingerprint(model) == base
         weight[[7, 8]] = weight[[8, 7]].clone()
         assert weights_fingerprint(model) != base
+        weight[[7, 8]] = weight[[8, 7]].clone()
+        assert weights_fingerprint(model) == base
+        # within one run of summed words: two values swapped, or two negated (each flips the sign bit: 2 * 2**31),
+        # leave a plain sum of the words modulo 2**32 as it was
+        row = weight[7]
+        row[[0, 1]] = row[[1, 0]].clone()
+        assert weights_fingerprint(model) != base
+        row[[0, 1]] = row[[1, 0]].clone()
+        assert weights_fingerprint(model) == base
+        row[:2] = -row[:2]
+        assert weights_fingerprint(model) != base
+
+
+def test_the_weights_digest_reads_a_tensor_at_an_odd_place_in_its_storage():
+    # (torch.nn.utils.vector_to_parameters lays parameters out so: a bfloat16 weight 2 bytes into a flat buffer)
+    from astrai_hf.persist import weights_fingerprint
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    flat = torch.zeros(1 + sum(p.numel() for p in model.parameters()), dtype=torch.bfloat16)
+    offset = 1
+    with torch.no_grad():
+        for p in model.parameters():
+            view = flat[offset : offset + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            offset += p.numel()
+    assert weights_fingerprint(model) == weights_fingerprint(model)
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    ids, mask = left_padded_batch([5, 3])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    with astrai_hf.patched(model, pool=pool):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
 
 
 _PREFIXES = [_tokens(n, seed=100 + n) for n in (5, 9, 14)]

@@ -107,6 +107,22 @@ def _bert_encoder():  # an encoder checkpoint loaded as a causal LM: its self-at
                                           num_attention_heads=4, pad_token_id=0, is_decoder=False))
 
 
+def _doge():  # builds a mask of its own in the attention module (a learned bias per key, top-k masking)
+    return T.DogeForCausalLM(T.DogeConfig(**_COMMON, keep_window_size=4))
+
+
+def _phimoe(sliding_window=5):  # its sliding window reaches attention through the mask only
+    return T.PhimoeForCausalLM(T.PhimoeConfig(**_COMMON, num_local_experts=4,
+                                              num_experts_per_tok=2, sliding_window=sliding_window))
+
+
+def _qwen2_moe(sliding_window=5):  # as PhiMoE, with use_sliding_window
+    return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+        **_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, use_sliding_window=True, sliding_window=sliding_window,
+        max_window_layers=2))
+
+
 UNSUPPORTED = {
     "gpt_oss": (_gpt_oss, "attention sinks"),
     "deepseek_v3": (_deepseek_v3, "multi-head latent attention"),
@@ -122,6 +138,9 @@ UNSUPPORTED = {
     "diffllama": (_diffllama, "changes K/V between storing them in the cache and attending"),
     "jetmoe": (_jetmoe, "changes K/V between storing them in the cache and attending"),
     "bert_encoder": (_bert_encoder, "attends both ways"),
+    "doge": (_doge, "a mask of its own making"),
+    "phimoe_window": (_phimoe, "sliding window .* through the attention mask only"),
+    "qwen2_moe_window": (_qwen2_moe, "sliding window .* through the attention mask only"),
 }
 
 
@@ -192,6 +211,31 @@ def test_chunked_attention_is_served_by_a_pool_no_longer_than_a_chunk():
         astrai_hf.patch(model, pool=PagePool.from_model(model, max_tokens=512))  # swapping in a longer pool
     astrai_hf.unpatch(model)
     assert torch.equal(model.generate(_IDS, **{**_KW, "max_new_tokens": 9}), stock)
+
+
+@pytest.mark.parametrize("name", ["phimoe_window", "qwen2_moe_window"])
+def test_a_window_the_mask_alone_applies_is_served_by_a_pool_no_longer_than_the_window(name):
+    # the window bites only on rows longer than it: a pool of such rows is accepted, and matches stock
+    model = _build(name)
+    ids = _IDS[:, :3]
+    kw = {**_KW, "attention_mask": torch.ones_like(ids), "max_new_tokens": 2}
+    stock = model.generate(ids, **kw)
+    short = PagePool.from_model(model, max_tokens=512, max_seq_len=5)
+    with astrai_hf.patched(model, pool=short):
+        assert torch.equal(model.generate(ids, **kw), stock)
+        assert model.generate(ids, **kw).shape == stock.shape  # a second call, from the prefix cache
+    with pytest.raises(NotImplementedError, match="max_seq_len=5"):
+        astrai_hf.patch(model, pool=PagePool.from_model(model, max_tokens=512))
+
+
+def test_a_model_without_a_window_passing_none_is_patched():
+    # PhiMoE without a sliding window computes causal attention: nothing for paged attention to miss
+    torch.manual_seed(0)
+    model = _phimoe(sliding_window=None).eval()
+    ids, kw = _IDS, {**_KW, "max_new_tokens": 6}
+    stock = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=512):
+        assert torch.equal(model.generate(ids, **kw), stock)
 
 
 @pytest.mark.parametrize("paged", ["patched", "PagedCache alone"])
