@@ -114,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
 def _first_line(error: Exception) -> str:
     """An error's first line (transformers lists every model class it knows after it)."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:  # "... from one of:" says nothing without what follows
+        first = f"{first} {lines[1]}"
+    return first
 
 
 def _run_script(args) -> int:
@@ -153,7 +159,8 @@ def _run_script(args) -> int:
         sys.path.insert(0, str(script.resolve().parent))  # as `python script.py`: the script imports its neighbours
     namespace = None  # the script's globals, kept for the report: a model the script holds there is still alive
     try:
-        namespace = runpy.run_path(args.script, run_name="__main__")
+        # an absolute __file__, as Python 3.9 and later give `python script.py` (runpy makes sys.argv[0] the same)
+        namespace = runpy.run_path(str(script.resolve()), run_name="__main__")
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path

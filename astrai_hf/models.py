@@ -49,7 +49,7 @@ def embedded_gguf() -> Path:
 
 
 def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | None = None,
-               attn_implementation: str = "sdpa"):
+               attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -57,7 +57,8 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
             (a hub id needs the files in the local hub cache or network access).
         dtype: weights dtype.
         device: where to put the model (None: CPU).
-        attn_implementation: the stock attention the model starts with.
+        attn_implementation: the stock attention the model starts with; None (default): transformers' choice
+            for the model (sdpa where the model supports it, e.g. eager for Gemma 2's softcapping).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode, the tokenizer padding on the left (its pad token the

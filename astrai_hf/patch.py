@@ -29,9 +29,6 @@ _STATE_ATTR = "_astrai_patch_state"
 logger = logging.getLogger(__name__)
 
 
-CALL_LOCK = threading.RLock()  # see PatchState.lock
-
-
 @dataclass(eq=False)
 class PatchState:
     """What a patched model carries: its default pool, the step being run, and what to restore on unpatch."""
@@ -57,11 +54,8 @@ class PatchState:
     module_refs: list = field(default_factory=list)  # weak references to the attention modules
     forward: object = None  # the model's own forward, which the patched one wraps (holding the model weakly)
     generating: int = 0  # patched generate() calls under way (nested: peft's generate calls the base model's)
-    # one paged generate() / forward at a time in the process: calls from several threads run one after another.
-    # One lock for every patched model: models sharing a pool must wait for each other (a call of one between
-    # another's steps would rebind the pool and clear its prefix cache), and a lock per pool would deadlock two
-    # threads whose calls nest across pools (assisted decoding, an assistant on the other pool)
-    lock: threading.RLock = field(default_factory=lambda: CALL_LOCK)
+    # one paged generate() / forward at a time per model: calls from several threads run one after another
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     # Nothing here holds the model or its modules strongly: the model and its modules hold this state, and a
     # cycle through them would be freed only by the garbage collector, keeping the pool's K/V memory until then.
@@ -69,6 +63,41 @@ class PatchState:
     def modules(self) -> list:
         """The attention modules."""
         return [m for m in (ref() for ref in self.module_refs) if m is not None]
+
+
+@contextlib.contextmanager
+def _one_call(state: PatchState, pool: PagePool | None = None, *also) -> Iterator[None]:
+    """A call of a patched model: one at a time per model (its lock), and, when other live patched models use
+    the same pool, one at a time per pool too (the pool's lock, taken second): a call of another model between
+    two steps would rebind the pool and clear its prefix cache under this call. Models on pools of their own
+    never wait for each other, so calls that wait on another thread's call of another model (a worker thread, a
+    streamer's consumer) do not hang. ``also``: further (state, pool) pairs the call will use (an assistant
+    model's), whose locks are taken with these, in the order of :func:`_call_locks`."""
+    with contextlib.ExitStack() as stack:
+        for lock in _call_locks(state, pool, *also):
+            stack.enter_context(lock)
+        yield
+
+
+def _call_locks(*items) -> list:
+    """The locks a call takes (``items``: patch states, each followed by the pool its call uses or None for its
+    own), in one order for every thread (by id), so that calls taking several, a generate() and its assistant's,
+    never wait on each other in a cycle."""
+    locks = {}
+    for state, pool in zip(items[::2], items[1::2]):
+        pool = state.pool if pool is None else pool
+        locks[id(state.lock)] = state.lock
+        if len(pool.patched_states) > 1 or (state not in pool.patched_states and pool.patched_states):
+            locks[id(pool.call_lock)] = pool.call_lock
+    return [locks[k] for k in sorted(locks)]
+
+
+def _use_pool(state: PatchState, pool: PagePool) -> None:
+    """Make ``pool`` the patched model's pool (and the pool know its patched models, see :func:`_one_call`)."""
+    if state.pool is not pool:
+        state.pool.patched_states.discard(state)
+    state.pool = pool
+    pool.patched_states.add(state)
 
 
 def patch(
@@ -150,7 +179,7 @@ def patch(
             _check_chunked_attention(model, pool)
             _check_window_in_mask(model, pool)
             pool.bind_model(model)
-            state.pool = pool
+            _use_pool(state, pool)
         state.pack_prefill = pack_prefill
         state.prefill_chunk_tokens = prefill_chunk_tokens
         state.cuda_graphs = _wants_graphs(model, cuda_graphs)
@@ -187,6 +216,7 @@ def patch(
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
+    pool.patched_states.add(state)
     logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
                 "on" if state.packable and pack_prefill else "off")
     return given
@@ -208,6 +238,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             unpatch(base)
         return given
     _uninstall(model, state)
+    state.pool.patched_states.discard(state)
     for runner in state.runners.values():
         runner.close()
     logger.info("unpatched %s", type(model).__name__)
@@ -387,6 +418,7 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
         yield model
     finally:
         if previous is not None:
+            _use_pool(state, previous.pop("pool"))
             for name, value in previous.items():
                 setattr(state, name, value)
         else:
@@ -484,19 +516,38 @@ def kv_rewritten_after_update(cls: type) -> str | None:
     return None
 
 
-def _attention_calls(cls: type) -> tuple[ast.FunctionDef, list[ast.Call]] | None:
-    """``cls.forward``'s syntax tree and its ``attention_interface(...)`` calls, or None when the source cannot
-    be read."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if fn is None:
-        return None
-    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-             and n.func.id == "attention_interface"]
-    return fn, calls
+def _attention_calls(cls: type) -> list[tuple[ast.FunctionDef, list[ast.Call]]] | None:
+    """The ``forward`` syntax trees along ``cls``'s MRO, down to the first one that calls
+    ``attention_interface(...)`` (a subclass of the caller's whose forward calls ``super().forward(...)`` goes on
+    to its parent), each with its calls of ``attention_interface`` and of ``super().forward``; None when a source
+    cannot be read."""
+    found = []
+    for klass in cls.__mro__:
+        forward = vars(klass).get("forward")
+        if forward is None:
+            continue
+        if klass is torch.nn.Module:
+            break
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+        except (OSError, TypeError, SyntaxError):
+            return None
+        fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+        if fn is None:
+            return None
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and (
+            (isinstance(n.func, ast.Name) and n.func.id == "attention_interface") or _is_super_forward(n))]
+        found.append((fn, calls))
+        if not any(_is_super_forward(c) for c in calls):
+            break
+    return found
+
+
+def _is_super_forward(node: ast.AST) -> bool:
+    """A ``super().forward(...)`` call."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "forward"
+            and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
+            and node.func.value.func.id == "super")
 
 
 @functools.cache
@@ -508,21 +559,30 @@ def own_attention_mask(cls: type) -> str | None:
     found = _attention_calls(cls)
     if found is None:
         return None
-    fn, calls = found
-    params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
-    # names given a value computed in the forward (taking another mask the forward was given, as GPT-2's
-    # cross-attention takes encoder_attention_mask, is no mask of the module's own)
-    assigned = {t.id for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-                and not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id in params)
-                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                for t in ast.walk(target) if isinstance(t, ast.Name)}
-    for call in calls:
-        mask = call.args[4] if len(call.args) > 4 else next(
-            (k.value for k in call.keywords if k.arg == "attention_mask"), None)
-        if mask is None or (isinstance(mask, ast.Constant) and mask.value is None):
-            continue
-        if not (isinstance(mask, ast.Name) and mask.id in params and mask.id not in assigned):
-            return ast.unparse(mask)[:60]
+    for level, (fn, calls) in enumerate(found):
+        params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+        parent = found[level + 1][0] if level + 1 < len(found) else None
+        parent_params = [a.arg for a in [*parent.args.posonlyargs, *parent.args.args]][1:] if parent else []
+        # names given a value computed in the forward (taking another mask the forward was given, as GPT-2's
+        # cross-attention takes encoder_attention_mask, is no mask of the module's own)
+        assigned = {t.id for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                    and not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name)
+                             and node.value.id in params)
+                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                    for t in ast.walk(target) if isinstance(t, ast.Name)}
+        for call in calls:
+            if _is_super_forward(call):  # the mask handed on to the parent's forward
+                mask = next((k.value for k in call.keywords if k.arg == "attention_mask"), None)
+                at = parent_params.index("attention_mask") if "attention_mask" in parent_params else None
+                if mask is None and at is not None and len(call.args) > at:
+                    mask = call.args[at]
+            else:
+                mask = call.args[4] if len(call.args) > 4 else next(
+                    (k.value for k in call.keywords if k.arg == "attention_mask"), None)
+            if mask is None or (isinstance(mask, ast.Constant) and mask.value is None):
+                continue
+            if not (isinstance(mask, ast.Name) and mask.id in params and mask.id not in assigned):
+                return ast.unparse(mask)[:60]
     return None
 
 
@@ -531,9 +591,10 @@ def passes_sliding_window(cls: type) -> bool:
     """Whether ``cls.forward`` hands ``attention_interface`` a ``sliding_window=`` (True when the source cannot be
     read: nothing is known against it). Modules that do not leave a window of the config to the mask alone."""
     found = _attention_calls(cls)
-    if found is None or not found[1]:
+    calls = [c for _, cs in found or () for c in cs if not _is_super_forward(c)]
+    if not calls:
         return True
-    return all(any(k.arg == "sliding_window" for k in call.keywords) for call in found[1])
+    return all(any(k.arg == "sliding_window" for k in call.keywords) for call in calls)
 
 
 def _is_update(node: ast.AST) -> bool:
@@ -655,7 +716,8 @@ def _wrap_forward(owner, forward, state: PatchState):
 
     @functools.wraps(forward)
     def paged_forward(*args, **kwargs):
-        with state.lock:
+        cache = _find_cache(kwargs)
+        with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
             return _paged_forward(_alive(model_ref), *args, **kwargs)
 
     def _paged_forward(model, *args, **kwargs):
@@ -664,6 +726,8 @@ def _wrap_forward(owner, forward, state: PatchState):
             return forward(*args, **kwargs)
         if id(cache.pool) not in state.checked_pools:
             cache.pool.check_model(model)
+            _check_chunked_attention(model, cache.pool)  # (patch() checked its own pool; this is the caller's)
+            _check_window_in_mask(model, cache.pool)
             state.checked_pools.add(id(cache.pool))
         if cache.pool.model is not model or cache.checked_model != id(model):
             # another model shares the pool, or the weights changed: the cached prefixes are not ours, and a cache
@@ -868,7 +932,11 @@ def _wrap_generate(owner, generate, state: PatchState):
 
     @functools.wraps(generate)
     def paged_generate(*args, **kwargs):
-        with state.lock:
+        given = _find_cache(kwargs)
+        assistant = getattr(_underlying(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
+            kwargs.get("assistant_model"), torch.nn.Module) else None
+        also = (assistant, None) if assistant is not None else ()
+        with _one_call(state, given.pool if isinstance(given, PagedCache) else None, *also):
             state.generating += 1
             try:
                 return _paged_generate(_alive(model_ref), *args, **kwargs)
@@ -1056,7 +1124,7 @@ def _rebuild_pool(model, state: PatchState) -> None:
     """Replace the default pool of a model moved to another dtype or device since ``patch()`` built it (its cached
     prefixes were computed by the model before the move)."""
     old = state.pool
-    state.pool = PagePool.from_model(model, **state.own_pool_kwargs)
+    _use_pool(state, PagePool.from_model(model, **state.own_pool_kwargs))
     state.checked_pools.add(id(state.pool))
     runner = state.runners.pop(id(old), None)
     if runner is not None:

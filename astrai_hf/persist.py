@@ -68,7 +68,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     where a value sits, not only which values there are); the digest hashes those sums. A change to any single
     word changes its run's sum; several changes in one run (values moved, swapped or negated in pairs) leave it
     alike only by a 1-in-2**32 chance. It costs a few elementwise passes over the weights on their own device
-    (about 0.3 s for the 135M embedded model in float32 on a 2-core CPU), and no copy to the host beyond the sums. It is computed when
+    (0.3-1.5 s for the 135M embedded model in float32 on a busy 2-core CPU), and no copy to the host beyond the sums. It is computed when
     a pool binds a model and after the weights changed, not per call.
 
     Buffers count because some set what the layers compute as weights do (RoPE's ``inv_freq``, from the config's

@@ -35,15 +35,15 @@ def check_plot_path(path: str | Path) -> None:
 
     Raises:
         ImportError: matplotlib is not installed (``pip install astrai-hf[plot]``).
-        ValueError: matplotlib writes no file of ``path``'s suffix.
+        ValueError: matplotlib writes no file of ``path``'s suffix without more software (``.pgf`` needs TeX).
     """
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as e:
         raise ImportError("charts need matplotlib: pip install 'astrai-hf[plot]'") from e
     suffix = Path(path).suffix.lower().lstrip(".")
-    supported = FigureCanvasBase.get_supported_filetypes()
-    if suffix not in supported:
+    supported = {k: v for k, v in FigureCanvasBase.get_supported_filetypes().items() if k != "pgf"}  # (needs TeX)
+    if suffix and suffix not in supported:  # (no suffix: matplotlib writes a PNG)
         raise ValueError(f"cannot draw a chart into {str(path)!r}: name a file ending in one of "
                          f"{', '.join('.' + k for k in sorted(supported))} (e.g. chart.png)")
 

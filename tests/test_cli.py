@@ -89,6 +89,7 @@ def test_a_plot_path_in_a_folder_not_there_yet_is_made_before_the_suites_run(tmp
     ["bench", "--plot", "{file}/chart.png"],
     ["bench", "--plot", "{folder}"],
     ["bench", "--plot", "{folder}/chart.xyz"],
+    ["bench", "--plot", "{folder}/chart.pgf"],
 ])
 def test_an_output_path_that_cannot_be_written_is_one_line_before_the_model_loads(argv, tmp_path, monkeypatch,
                                                                                   capsys):
@@ -105,3 +106,30 @@ def test_model_before_run_is_refused_not_ignored(tmp_path, capsys):
     script.write_text("raise SystemExit(7)\n")
     assert main(["--model", "some/folder", "run", str(script)]) == 2
     assert "--model does not apply to run" in capsys.readouterr().err
+
+
+def test_a_first_line_that_ends_in_a_colon_keeps_what_follows():
+    from astrai_hf.cli import _first_line
+
+    error = ValueError("Couldn't instantiate the backend tokenizer from one of:\n(1) a `tokenizers` file\n(2) ...")
+    assert _first_line(error) == "Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` file"
+    assert _first_line(OSError("no such file\nmore")) == "no such file"
+
+
+def test_load_model_lets_transformers_pick_the_attention_a_family_supports(tmp_path):
+    # Gemma 2 with its attention softcapping refuses sdpa: a default of sdpa made --model refuse the family
+    import shutil
+
+    import transformers as T
+
+    from astrai_hf.models import embedded_model_path, load_model
+
+    config = T.Gemma2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    T.Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    for f in embedded_model_path().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    model, tokenizer = load_model(str(tmp_path))
+    assert type(model).__name__ == "Gemma2ForCausalLM" and model.config._attn_implementation == "eager"
+    assert tokenizer.padding_side == "left"

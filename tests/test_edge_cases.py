@@ -257,6 +257,37 @@ def test_assisted_decoding_across_two_pools_from_two_threads_does_not_deadlock()
             astrai_hf.unpatch(model)
 
 
+def test_a_patched_generate_from_a_worker_thread_inside_another_models_generate_returns():
+    # a reward or moderation model run on a thread pool from a logits processor of another model's generate():
+    # models on pools of their own do not wait for each other
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids, mask = left_padded_batch([6, 4], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    ref_b = b.generate(ids, **kw)
+    seen = []
+
+    class AsksB(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            worker = threading.Thread(target=lambda: seen.append(b.generate(ids, **kw)), daemon=True)
+            worker.start()
+            worker.join(timeout=60)
+            assert not worker.is_alive(), "b.generate() from a worker thread never returned"
+            return scores
+
+    ref_a = a.generate(ids, **kw)
+    astrai_hf.patch(a, max_tokens=512, page_size=4)
+    astrai_hf.patch(b, max_tokens=512, page_size=4)
+    try:
+        out = a.generate(ids, **kw, logits_processor=LogitsProcessorList([AsksB()]))
+        assert torch.equal(out, ref_a)
+        assert len(seen) == 4 and all(torch.equal(o, ref_b) for o in seen)
+    finally:
+        astrai_hf.unpatch(a)
+        astrai_hf.unpatch(b)
+
+
 def test_attentions_and_hidden_states_of_every_position():
     model = tiny_model("llama", attn_implementation="eager")
     x = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))

@@ -12,7 +12,7 @@ import torch
 import transformers as T
 
 import astrai_hf
-from astrai_hf import PagePool
+from astrai_hf import PagedCache, PagePool
 
 _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
@@ -226,6 +226,60 @@ def test_a_window_the_mask_alone_applies_is_served_by_a_pool_no_longer_than_the_
         assert model.generate(ids, **kw).shape == stock.shape  # a second call, from the prefix cache
     with pytest.raises(NotImplementedError, match="max_seq_len=5"):
         astrai_hf.patch(model, pool=PagePool.from_model(model, max_tokens=512))
+
+
+def test_a_cache_of_the_callers_on_a_longer_pool_is_refused_as_patch_refuses_the_pool():
+    model = _build("phimoe_window")
+    short = PagePool.from_model(model, max_tokens=512, max_seq_len=5)
+    ids = _IDS[:, :3]
+    with astrai_hf.patched(model, pool=short):
+        long = PagePool.from_model(model, max_tokens=512)
+        with PagedCache(long) as cache, pytest.raises(NotImplementedError, match="max_seq_len=5"):
+            model.generate(ids, **{**_KW, "attention_mask": torch.ones_like(ids)},
+                           **{astrai_hf.cache_kwarg(model): cache})
+        assert long.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("hands_on", ["by keyword", "by position"])
+def test_a_subclass_that_makes_a_mask_of_its_own_before_super_forward_is_refused(hands_on):
+    import transformers.models.llama.modeling_llama as llama
+
+    class MaskedAttention(llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+            if attention_mask is not None:
+                attention_mask = attention_mask.clone()
+                attention_mask[..., 1:3] = False if attention_mask.dtype == torch.bool else -1e9
+            if hands_on == "by keyword":
+                return super().forward(hidden_states, position_embeddings, attention_mask=attention_mask, **kwargs)
+            return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    class PlainSubclass(llama.LlamaAttention):  # hands the mask on as it came: served
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+            return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    from astrai_hf.patch import own_attention_mask
+
+    assert own_attention_mask(MaskedAttention) == "attention_mask"
+    assert own_attention_mask(PlainSubclass) is None
+
+
+def test_a_subclass_of_an_attention_that_leaves_the_window_to_the_mask_is_judged_as_its_parent():
+    import transformers.models.phimoe.modeling_phimoe as phimoe
+
+    class MyPhimoeAttention(phimoe.PhimoeAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    from astrai_hf.patch import passes_sliding_window
+
+    assert not passes_sliding_window(MyPhimoeAttention)
+    model = _build("phimoe_window")
+    for layer in model.model.layers:
+        twin = MyPhimoeAttention(model.config, layer.self_attn.layer_idx)
+        twin.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = twin.eval()
+    with pytest.raises(NotImplementedError, match="through the attention mask only"):
+        astrai_hf.patch(model, max_tokens=512)
 
 
 def test_a_model_without_a_window_passing_none_is_patched():

@@ -134,6 +134,20 @@ def test_run_gives_the_script_its_own_folder_on_sys_path_and_refuses_a_missing_o
     assert "must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_run_gives_the_script_an_absolute_file(tmp_path, capsys, monkeypatch):
+    # as `python script.py` on Python 3.9 and later: a script that changes folder still finds files beside it
+    (tmp_path / "data.txt").write_text("beside the script")
+    (tmp_path / "reads.py").write_text(textwrap.dedent("""
+        import os, sys
+        here = os.path.dirname(__file__)
+        os.chdir("/")
+        print(os.path.isabs(__file__), os.path.basename(sys.argv[0]), open(os.path.join(here, "data.txt")).read())
+    """))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--quiet", "reads.py"]) == 0
+    assert capsys.readouterr().out == "True reads.py beside the script\n"
+
+
 def _logits(model, ids, mask):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask).logits
