@@ -68,7 +68,7 @@ class PatchState:
 @contextlib.contextmanager
 def _one_call(state: PatchState, pool: PagePool | None = None, *also) -> Iterator[None]:
     """A call of a patched model: one at a time per model (its lock), and, when other live patched models use
-    the same pool, one at a time per pool too (the pool's lock, taken second): a call of another model between
+    the same pool, one at a time per pool too (the pool's lock): a call of another model between
     two steps would rebind the pool and clear its prefix cache under this call. Models on pools of their own
     never wait for each other, so calls that wait on another thread's call of another model (a worker thread, a
     streamer's consumer) do not hang. ``also``: further (state, pool) pairs the call will use (an assistant
