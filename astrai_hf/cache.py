@@ -12,7 +12,7 @@ from .config import as_count, as_flag, as_int
 from .distributed import agree
 from .errors import CacheFullError
 from .interrupts import interrupts_deferred
-from .metadata import StepMetadata
+from .metadata import StepMetadata, rect_slots
 from .pool import PagePool
 from .storage import gather_kv
 
@@ -892,8 +892,8 @@ class PagedCache(Cache):
 
     def __iter__(self):
         """``(keys, values, None)`` per layer, as iterating a ``DynamicCache`` gives (each a gathered copy)."""
-        for layer in self.layers:
-            yield layer.keys, layer.values, None
+        for i in range(self.num_layers):
+            yield *self.layer_kv(i), None
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as a ``DynamicCache`` holds them: [B, num_kv_heads, logical_len, head_dim] each,
@@ -903,25 +903,22 @@ class PagedCache(Cache):
         Raises:
             ValueError: ``layer_idx`` is not a layer of the model.
         """
+        return self._gathered(layer_idx, "k"), self._gathered(layer_idx, "v")
+
+    def _gathered(self, layer_idx: int, which: str) -> torch.Tensor:
+        """One layer's K (``which="k"``) or V of :meth:`layer_kv`."""
         layer_idx = as_int("layer_idx", layer_idx)
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx={layer_idx} is outside this cache's {self.num_layers} layers")
-        storage = self.pool.storage
-        k_layer, v_layer = storage.k[layer_idx], storage.v[layer_idx]
+        layer = getattr(self.pool.storage, which)[layer_idx]
         rows = self._rows
         if not rows.req_rows:
-            empty = k_layer.new_zeros(0, k_layer.shape[1], 0, k_layer.shape[2])
-            return empty, empty.clone()
-        table = self.pool.req_to_token.table
+            return layer.new_zeros(0, layer.shape[1], 0, layer.shape[2])
         width = self.logical_len
-        seq = torch.tensor([max(0, width - p) for p in self._num_pad[: len(rows.req_rows)]], device=table.device)
-        col = torch.arange(width, device=table.device)[None, :] - (width - seq)[:, None]  # token index, < 0: padding
-        slots = table[rows.req_rows].gather(1, col.clamp(min=0)).to(k_layer.device, torch.long).reshape(-1)
-        keep = (col >= 0).to(k_layer.device)[:, None, :, None]
-        B = len(rows.req_rows)
-        keys = gather_kv(k_layer, slots, B, width) * keep
-        values = gather_kv(v_layer, slots, B, width) * keep
-        return keys, values
+        seq = [max(0, width - p) for p in self._num_pad[: len(rows.req_rows)]]
+        slots, padding = rect_slots(self.pool.req_to_token.table, rows.req_rows, seq, width)
+        out = gather_kv(layer, slots.to(layer.device, torch.long).reshape(-1), len(seq), width)
+        return out.masked_fill(padding.to(layer.device)[:, None, :, None], 0)
 
     def activate_past_recording(self) -> None:
         pass
@@ -1104,11 +1101,11 @@ class PagedLayer:
 
     @property
     def keys(self) -> torch.Tensor:
-        return self._cache.layer_kv(self.layer_idx)[0]
+        return self._cache._gathered(self.layer_idx, "k")
 
     @property
     def values(self) -> torch.Tensor:
-        return self._cache.layer_kv(self.layer_idx)[1]
+        return self._cache._gathered(self.layer_idx, "v")
 
     @property
     def is_initialized(self) -> bool:

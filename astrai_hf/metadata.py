@@ -251,11 +251,7 @@ class DeviceView:
         right-aligned behind its padding columns, which read the (zero) trash slot."""
         if self._rect_slots is None:
             m = self.meta
-            width = m.logical_len
-            seq = torch.tensor(m.seq_lens, dtype=torch.long, device=m.table.device)
-            col = torch.arange(width, device=m.table.device)[None, :] - (width - seq)[:, None]  # [B, W] token index
-            rows = m.table[m.req_rows]  # [B, max_seq_len]
-            slots = rows.gather(1, col.clamp(min=0)).masked_fill(col < 0, 0)
+            slots, _ = rect_slots(m.table, m.req_rows, m.seq_lens, m.logical_len)
             self._rect_slots = slots.to(self.device, torch.long).reshape(-1)
         return self._rect_slots
 
@@ -323,3 +319,18 @@ class DeviceView:
             result = (allowed[:, None], False)
         self._masks[key] = result
         return result
+
+
+def rect_slots(table: torch.Tensor, req_rows, seq_lens, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rectangle stock attention expects, as slots of the pool: ``(slots, padding)``, both [B, width] on the
+    table's device, ``slots`` int32 with each row's ``seq_lens[b]`` tokens right-aligned behind its padding
+    columns, which read slot 0 (the trash page), and ``padding`` bool, True at those columns.
+
+    Args:
+        table: ``req_to_token`` [max_reqs + 1, max_seq_len] int32.
+        req_rows: the rows' request rows (B ints); seq_lens: their stored tokens (B ints, at most ``width``).
+    """
+    seq = torch.tensor(seq_lens, dtype=torch.long, device=table.device)
+    col = torch.arange(width, device=table.device)[None, :] - (width - seq)[:, None]  # [B, W] token index
+    padding = col < 0
+    return table[req_rows].gather(1, col.clamp(min=0)).masked_fill(padding, 0), padding

@@ -718,10 +718,9 @@ def _wrap_forward(owner, forward, state: PatchState):
     def paged_forward(*args, **kwargs):
         cache = _find_cache(kwargs)
         with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
-            return _paged_forward(_alive(model_ref), *args, **kwargs)
+            return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
 
-    def _paged_forward(model, *args, **kwargs):
-        cache = _find_cache(kwargs)
+    def _paged_forward(model, cache, /, *args, **kwargs):  # (positional only: `cache=` is a forward kwarg)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
         if id(cache.pool) not in state.checked_pools:
