@@ -94,6 +94,20 @@ class _Rows:
             self.pool.prefix_cache.insert(row_ids[:n], self.pages[r])
 
 
+def forget_rope_deltas(model: torch.nn.Module) -> None:
+    """Drop the M-RoPE offsets (``rope_deltas``, Qwen2-VL and its kin) that ``model``'s modules keep from their last
+    call, before a text call starts from a cache the prefix cache pre-filled.
+
+    transformers adds the kept offsets to the positions of any call whose cache is not empty, as for a conversation
+    continued on its own cache; stock starts every other call empty and recomputes them (zeros for text). A cache
+    pre-filled from the prefix cache is not empty, so without this the offsets of an earlier call (an image's, or a
+    batch of another size) would shift the positions. With them dropped, the model computes this call's own.
+    """
+    for module in model.modules():
+        if isinstance(vars(module).get("rope_deltas"), torch.Tensor):
+            module.rope_deltas = None
+
+
 class PagedCache(Cache):
     """A ``transformers.Cache`` whose K/V live in the pages of a :class:`PagePool`; padding is never stored.
 
@@ -219,6 +233,13 @@ class PagedCache(Cache):
                 pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
                 self.checked_model = id(target)
             self._match_prefix(pads, L)
+            if target is not None and self.prefilled_from_prefix_cache:
+                forget_rope_deltas(target)
+
+    @property
+    def prefilled_from_prefix_cache(self) -> bool:
+        """True while this cache holds only what the prefix cache served (no step has run on it)."""
+        return not self._first_step_planned and any(self.prefix_hit_tokens)
 
     def forget_prefix_hits(self) -> None:
         """Start empty after all, keeping the prompt: a cache that was pre-filled from the prefix cache and has

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention, packing
-from .cache import PagedCache, cache_kwarg, left_padding
+from .cache import PagedCache, cache_kwarg, forget_rope_deltas, left_padding
 from .config import KVSpec, as_count, as_flag
 from .distributed import agree
 from .errors import CacheFullError
@@ -963,6 +963,8 @@ def _wrap_generate(owner, generate, state: PatchState):
             given.verifies_candidates = _candidate_decoding(kwargs, config)
         if isinstance(given, PagedCache):
             _check_callers_cache(given, args, kwargs, config)
+            if given.prefilled_from_prefix_cache:
+                forget_rope_deltas(model)
         if given is not None or kwargs.get("use_cache", config.use_cache) is False:
             return generate(*args, **kwargs)
         if _peft_prompt_learning(model):

@@ -183,3 +183,78 @@ def test_attention_of_a_vision_tower_is_not_taken_for_decoder_layers():
     for _ in range(2):
         assert torch.equal(model.generate(ids, **kw), stock)
     assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] == 11
+
+
+def _qwen2_vl():
+    # M-RoPE: the model keeps `rope_deltas` of the last call it prepared positions for
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], rope_theta=10000.0))
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    cfg = T.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=91,
+                          vision_start_token_id=92, vision_end_token_id=93)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = T.Qwen2VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if "q_proj.weight" in name or "k_proj.weight" in name:
+                p.mul_(4.0)  # attention that a shift of positions visibly moves
+    return model
+
+
+def _qwen2_vl_image(grid=(1, 8, 8)):
+    t, h, w = grid
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[1, 92] + [IMG] * (t * h * w // 4) + [93] + torch.randint(3, 89, (6,), generator=g).tolist()])
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.randn(t * h * w, 1176, generator=g),
+                image_grid_thw=torch.tensor([[t, h, w]]), mm_token_type_ids=(ids == IMG).long())
+
+
+def test_a_text_prompt_served_from_the_prefix_cache_after_an_image_call_keeps_stock_positions():
+    # An image call leaves rope_deltas of its image on the model; transformers adds them to the positions of any
+    # call that starts with a cached prefix. Stock starts every call empty and recomputes them.
+    model = _qwen2_vl()
+    ids = torch.randint(3, 89, (1, 20), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0,
+              eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    stock = model.generate(ids, **kw)
+    image = dict(kw, **_qwen2_vl_image())
+    astrai_hf.patch(model, max_tokens=1024)
+    pool = astrai_hf.get_pool(model)
+    model.generate(ids, **kw)  # fills the prefix cache
+    model.generate(**image)  # runs stock: rope_deltas of the image stay on the model
+    assert model.model.rope_deltas.abs().max() > 0
+    paged = model.generate(ids, **kw)
+    assert pool.stats()["prefix_hit_tokens"] == 19
+    for a, b in zip(paged.logits, stock.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    model.generate(**image)
+    with PagedCache(pool, ids, kw["attention_mask"]) as cache:  # a cache of the caller's, pre-filled
+        paged = model.generate(ids, past_key_values=cache, **kw)
+    for a, b in zip(paged.logits, stock.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    astrai_hf.unpatch(model)
+    model.generate(**image)
+    with PagedCache(pool, ids, kw["attention_mask"], model=model) as cache:  # unpatched, pre-filled
+        paged = model.generate(ids, past_key_values=cache, **kw)
+    for a, b in zip(paged.logits, stock.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_batch_served_from_the_prefix_cache_after_a_smaller_batch_gets_positions_of_its_own():
+    # rope_deltas of a batch of 2 were added to the positions of a batch of 3 (a size mismatch)
+    model = _qwen2_vl()
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 89, (1, 20), generator=g)
+    a = torch.cat([prefix.expand(2, -1), torch.randint(3, 89, (2, 3), generator=g)], 1)
+    b = torch.cat([prefix.expand(3, -1), torch.randint(3, 89, (3, 3), generator=g)], 1)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    stock = [model.generate(x, attention_mask=torch.ones_like(x), **kw) for x in (a, b)]
+    astrai_hf.patch(model, max_tokens=2048)
+    for x, ref in zip((a, b), stock):
+        assert torch.equal(model.generate(x, attention_mask=torch.ones_like(x), **kw), ref)
+    assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] > 0
