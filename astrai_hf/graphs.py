@@ -25,6 +25,7 @@ import torch
 
 from .attention.reference import _attend
 from .metadata import StepMetadata
+from .packing import last_logits_only
 from .storage import gather_kv
 
 logger = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ class DecodeGraphRunner:
             return False
         if step.group != 1 or self.bucket_for(input_ids.shape[0]) is None:
             return False
-        if any(kwargs.get(k) for k in ("output_hidden_states", "output_attentions")) or kwargs.get("logits_to_keep") != 1:
+        if any(kwargs.get(k) for k in ("output_hidden_states", "output_attentions")) or not last_logits_only(kwargs):
             return False
         return all(s - p == 1 for s, p in zip(step.seq_lens, step.prev_lens))
 

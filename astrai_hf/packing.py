@@ -20,6 +20,14 @@ from .metadata import StepMetadata
 _ALL_OUTPUTS = ("output_hidden_states", "output_attentions")
 
 
+def last_logits_only(kwargs: dict) -> bool:
+    """Whether a forward asks for the last position's logits alone: ``logits_to_keep=1``, an int (as
+    ``generate()`` passes it). An index tensor, even ``tensor([1])``, picks positions by index (column 1, not
+    the last), and a numpy or 0-dim integer indexes too, dropping the position axis."""
+    value = kwargs.get("logits_to_keep")
+    return isinstance(value, int) and value == 1
+
+
 def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_padding: bool,
                   chunk_tokens: int | None) -> bool:
     """Whether this forward (of a model whose family may be packed) can run packed and gains from it.
@@ -32,7 +40,7 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
     """
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] < 2 or step.is_packed:
         return False
-    if kwargs.get("logits_to_keep") != 1 or kwargs.get("return_dict") is False:
+    if not last_logits_only(kwargs) or kwargs.get("return_dict") is False:
         return False
     start = step.logical_len - input_ids.shape[1]
     if kwargs.get("position_ids") is None and any(

@@ -650,8 +650,9 @@ class _WeightsVersion:
     """Whether a model computes as it did before, seen from outside its code:
 
     - its parameters and buffers (RoPE frequencies, scales): the sum of their version counters (it grows with every
-      in-place change, an optimizer step or ``load_state_dict``), and each one's storage, held by weak reference (a
-      new storage: ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``);
+      in-place change, an optimizer step or ``load_state_dict``) and of the ``torch.optim`` steps over them (a fused
+      optimizer bumps no counter), and each one's storage, held by weak reference (a new storage:
+      ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``);
     - each module's code and settings: its class, a ``forward`` replaced on the class or the instance, a submodule
       swapped for another, a float attribute or ``sliding_window`` changed (``scaling``);
     - the config fields that change what the layers compute (:func:`~astrai_hf.persist.config_fingerprint`:
@@ -664,8 +665,9 @@ class _WeightsVersion:
     """
 
     def __init__(self, model: torch.nn.Module):
+        _watch_optimizer_steps()
         tensors = _local_tensors(model)
-        self.version = _version_sum(tensors)
+        self.version = _version_sum(tensors) + _optimizer_steps_of(model)
         self.storages = [weakref.ref(t.untyped_storage()) for t in tensors]
         self.behaviour = _behaviour(model)
         self.config = _config_digest(model)
@@ -674,7 +676,7 @@ class _WeightsVersion:
         tensors = _local_tensors(model)
         return (
             len(tensors) == len(self.storages)
-            and _version_sum(tensors) == self.version
+            and _version_sum(tensors) + _optimizer_steps_of(model) == self.version
             and all(ref() is t.untyped_storage() for ref, t in zip(self.storages, tensors))
             and _behaviour(model) == self.behaviour
             and _config_digest(model) == self.config
@@ -735,6 +737,39 @@ def _behaviour(model: torch.nn.Module) -> tuple:
             state.append((i, bool(m.disable_adapters), tuple(m.active_adapters), tuple(getattr(m, "merged_adapters", ())),
                           repr(getattr(m, "scaling", None))))
     return tuple(state)
+
+
+# optimizer steps per parameter: a fused optimizer (AdamW(fused=True), transformers' Trainer default
+# adamw_torch_fused) writes the parameters without bumping their version counters
+# (keyed by id(): a tensor's == is elementwise, which weak-key dicts call; an entry goes when its tensor does)
+_OPTIMIZER_STEPS: dict[int, int] = {}
+_STEP_HOOK = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            n = _OPTIMIZER_STEPS.get(id(p))
+            if n is None:
+                weakref.finalize(p, _OPTIMIZER_STEPS.pop, id(p), None)
+                n = 0
+            _OPTIMIZER_STEPS[id(p)] = n + 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Count every optimizer step per parameter from now on (a global post-step hook of ``torch.optim``, installed
+    once)."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK = register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def _optimizer_steps_of(model: torch.nn.Module) -> int:
+    if not _OPTIMIZER_STEPS:
+        return 0
+    return sum(_OPTIMIZER_STEPS.get(id(p), 0) for p in model.parameters())
 
 
 def _version_sum(params: list[torch.Tensor]) -> int:

@@ -152,6 +152,36 @@ def test_weights_changed_in_place_drop_the_prefix_cache():
     assert hits == 0
 
 
+@pytest.mark.parametrize("optimizer", ["AdamW(fused=True)", "SGD(fused=True)", "AdamW(foreach=True)", "Adagrad"])
+def test_an_optimizer_step_drops_the_prefix_cache(optimizer):
+    # fused optimizers write the parameters without bumping their version counters (transformers' Trainer picks
+    # adamw_torch_fused by default): the prompt had been served K/V of the weights before the step
+    import warnings
+
+    make = {"AdamW(fused=True)": lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+            "SGD(fused=True)": lambda ps: torch.optim.SGD(ps, lr=0.5, fused=True),
+            "AdamW(foreach=True)": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),
+            "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.5)}[optimizer]
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 20], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    astrai_hf.patch(model, max_tokens=1024)
+    pool = astrai_hf.get_pool(model)
+    model.generate(ids, **kw)  # fills the prefix cache
+    x, x_mask = left_padded_batch([10, 10], seed=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = make(list(model.parameters()))
+    model(input_ids=x, attention_mask=x_mask, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    before = pool.stats()["prefix_hit_tokens"]
+    out = model.generate(ids, **kw)
+    assert pool.stats()["prefix_hit_tokens"] == before  # nothing served from the weights before the step
+    assert torch.equal(out, astrai_hf.unpatch(model).generate(ids, **kw))
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_generate_from_several_threads():
     model = tiny_model("llama")
     batches = [left_padded_batch([5 + i, 9, 3 + i], seed=i) for i in range(4)]

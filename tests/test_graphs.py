@@ -194,3 +194,33 @@ def test_a_cache_of_the_callers_through_the_runner_fills_and_serves_the_prefix_c
         astrai_hf.unpatch(model)
     assert hits[0] == 0 and hits[1] > 0
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+
+
+def test_a_decode_step_asking_for_logits_by_index_runs_eager_and_gets_them():
+    # logits_to_keep as an index tensor is not the int 1 a graph's output holds; it had raised "Boolean value of
+    # Tensor with more than one value is ambiguous"
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", seed=3)
+    ids, mask = left_padded_batch([3, 5], seed=3)
+    name = astrai_hf.cache_kwarg(model)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+
+    def two_steps(cache):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{name: cache})
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            step_mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            return model(input_ids=tok, attention_mask=step_mask, use_cache=True, logits_to_keep=torch.tensor([0, 0]),
+                         **{name: cache}).logits
+
+    try:
+        dynamic = DynamicCache(config=model.config)
+    except TypeError:  # (older releases take no config)
+        dynamic = DynamicCache()
+    ref = two_steps(dynamic)
+    with astrai_hf.patched(model, pool=pool, cuda_graphs=True), astrai_hf.PagedCache(pool, prefix_cache=False) as c:
+        got = two_steps(c)
+    assert got.shape == ref.shape == (2, 2, 96)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0

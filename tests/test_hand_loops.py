@@ -56,6 +56,34 @@ def test_a_padded_prefill_with_logits_to_keep_and_no_position_ids_equals_dynamic
     assert pool.stats()["num_used_pages"] == 0
 
 
+@pytest.mark.parametrize("keep", ["tensor([3, 11])", "tensor([1])", "tensor(1)", "int64(1)"])
+@pytest.mark.parametrize("lengths", [[12, 12], [2, 12]], ids=["unpadded", "padded"])
+def test_logits_to_keep_as_an_index_gives_the_positions_it_names(keep, lengths):
+    # transformers reads a tensor (or any non-int) as indices of positions: tensor([1]) is column 1, not the last
+    # position, and a 0-dim index drops the position axis; only the int 1 asks for the last position alone
+    import numpy as np
+
+    value = {"tensor([3, 11])": torch.tensor([3, 11]), "tensor([1])": torch.tensor([1]), "tensor(1)": torch.tensor(1),
+             "int64(1)": np.int64(1)}[keep]
+    model = tiny_model("llama", seed=3)
+    ids, mask = left_padded_batch(lengths, seed=3)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+              logits_to_keep=value)
+    name = astrai_hf.cache_kwarg(model)
+    pool = PagePool.from_model(model, max_tokens=1024)
+    with torch.no_grad():
+        ref = model(**kw, **{name: _dynamic(model)}).logits
+        with astrai_hf.patched(model, pool=pool), PagedCache(pool, prefix_cache=False) as cache:
+            got = model(**kw, **{name: cache}).logits
+    assert got.shape == ref.shape
+    cols = torch.as_tensor(value).reshape(-1)
+    real = mask[:, cols].bool()  # [B, positions]: the logits of a padding column are meaningless (never stored)
+    B, V = ids.shape[0], ref.shape[-1]
+    got, ref = got.reshape(B, len(cols), V)[real], ref.reshape(B, len(cols), V)[real]
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def _loop_with_a_masked_column(model, cache, ids, mask, full_width):
     """Row 1 is fed a pad token with mask 0 after its prompt (a finished row), then every row decodes on. With
     ``full_width`` the loop makes its mask at the final width up front and passes all of it at every step (stock
