@@ -67,12 +67,12 @@ class PatchState:
 
 @contextlib.contextmanager
 def _one_call(state: PatchState, pool: PagePool | None = None, *also) -> Iterator[None]:
-    """A call of a patched model: one at a time per model (its lock), and, when other live patched models use
-    the same pool, one at a time per pool too (the pool's lock): a call of another model between
-    two steps would rebind the pool and clear its prefix cache under this call. Models on pools of their own
-    never wait for each other, so calls that wait on another thread's call of another model (a worker thread, a
-    streamer's consumer) do not hang. ``also``: further (state, pool) pairs the call will use (an assistant
-    model's), whose locks are taken with these, in the order of :func:`_call_locks`."""
+    """A call of a patched model: one at a time per model (its lock) and per pool (the pool's lock, which
+    :func:`patch` takes too): a call of another model on the same pool between two steps, or a model patched onto
+    it, would rebind the pool and clear its prefix cache under this call. Models on pools of their own never wait
+    for each other, so calls that wait on another thread's call of another model (a worker thread, a streamer's
+    consumer) do not hang. ``also``: further (state, pool) pairs the call will use (an assistant model's), whose
+    locks are taken with these, in the order of :func:`_call_locks`."""
     with contextlib.ExitStack() as stack:
         for lock in _call_locks(state, pool, *also):
             stack.enter_context(lock)
@@ -87,17 +87,8 @@ def _call_locks(*items) -> list:
     for state, pool in zip(items[::2], items[1::2]):
         pool = state.pool if pool is None else pool
         locks[id(state.lock)] = state.lock
-        if len(pool.patched_states) > 1 or (state not in pool.patched_states and pool.patched_states):
-            locks[id(pool.call_lock)] = pool.call_lock
+        locks[id(pool.call_lock)] = pool.call_lock
     return [locks[k] for k in sorted(locks)]
-
-
-def _use_pool(state: PatchState, pool: PagePool) -> None:
-    """Make ``pool`` the patched model's pool (and the pool know its patched models, see :func:`_one_call`)."""
-    if state.pool is not pool:
-        state.pool.patched_states.discard(state)
-    state.pool = pool
-    pool.patched_states.add(state)
 
 
 def patch(
@@ -175,11 +166,12 @@ def patch(
         elif pool is not None:
             state.own_pool_kwargs = None
         if pool is not None:
-            pool.check_model(model)
-            _check_chunked_attention(model, pool)
-            _check_window_in_mask(model, pool)
-            pool.bind_model(model)
-            _use_pool(state, pool)
+            with _one_call(state, pool):  # a call under way on this model or pool finishes first
+                pool.check_model(model)
+                _check_chunked_attention(model, pool)
+                _check_window_in_mask(model, pool)
+                pool.bind_model(model)
+                state.pool = pool
         state.pack_prefill = pack_prefill
         state.prefill_chunk_tokens = prefill_chunk_tokens
         state.cuda_graphs = _wants_graphs(model, cuda_graphs)
@@ -196,6 +188,14 @@ def patch(
         own_pool_kwargs = dict(pool_kwargs)
     elif pool_kwargs:
         raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
+    with pool.call_lock:  # a call under way on this pool (another model's) finishes first
+        _patch_onto(model, pool, modules, pack_prefill, prefill_chunk_tokens, cuda_graphs, own_pool_kwargs)
+    return given
+
+
+def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefill_chunk_tokens: int | None,
+                cuda_graphs: bool | None, own_pool_kwargs: dict | None) -> None:
+    """:func:`patch` of an unpatched model once its pool is chosen (under the pool's lock)."""
     pool.check_model(model)
     _check_chunked_attention(model, pool)
     _check_window_in_mask(model, pool)
@@ -216,10 +216,8 @@ def patch(
     )
     state.checked_pools.add(id(pool))
     _install(model, state, modules)
-    pool.patched_states.add(state)
     logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
                 "on" if state.packable and pack_prefill else "off")
-    return given
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -237,8 +235,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(base, torch.nn.Module) and base is not model and _STATE_ATTR in base.__dict__:
             unpatch(base)
         return given
-    _uninstall(model, state)
-    state.pool.patched_states.discard(state)
+    with _one_call(state):  # a call under way on another thread finishes first
+        _uninstall(model, state)
     for runner in state.runners.values():
         runner.close()
     logger.info("unpatched %s", type(model).__name__)
@@ -418,7 +416,7 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
         yield model
     finally:
         if previous is not None:
-            _use_pool(state, previous.pop("pool"))
+            state.pool = previous.pop("pool")
             for name, value in previous.items():
                 setattr(state, name, value)
         else:
@@ -1125,7 +1123,7 @@ def _rebuild_pool(model, state: PatchState) -> None:
     """Replace the default pool of a model moved to another dtype or device since ``patch()`` built it (its cached
     prefixes were computed by the model before the move)."""
     old = state.pool
-    _use_pool(state, PagePool.from_model(model, **state.own_pool_kwargs))
+    state.pool = PagePool.from_model(model, **state.own_pool_kwargs)
     state.checked_pools.add(id(state.pool))
     runner = state.runners.pop(id(old), None)
     if runner is not None:

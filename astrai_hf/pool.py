@@ -131,9 +131,7 @@ class PagePool:
             self.req_to_token = ReqToTokenPool(max_reqs, min(max_seq_len, capacity), layer_devices[0])
         self.prefix_cache = PrefixCache(self.allocator, page_size) if as_flag("prefix_cache", prefix_cache) else None
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
-        # the patch states of the models patched onto this pool; while there are two or more, their calls take
-        # turns on call_lock (see patch._one_call)
-        self.patched_states: "weakref.WeakSet" = weakref.WeakSet()
+        # calls of the models patched onto this pool, and patch() onto it, take turns (see patch._one_call)
         self.call_lock = threading.RLock()
         self._model_ref = None
         self._model_fingerprint: str | None = None

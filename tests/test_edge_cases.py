@@ -212,19 +212,24 @@ def test_generate_from_several_threads():
     assert torch.equal(model.generate(batches[0][0], attention_mask=batches[0][1], **kw), refs[0])
 
 
-def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other():
+@pytest.mark.parametrize("b_patched", ["before", "in its thread"])
+def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other(b_patched):
     # the pool's prefix cache belongs to one model at a time: a call of the other model between two steps of a
-    # call would clear it under that call. Here b's call starts from a streamer of a's, in the middle of a's call
+    # call would clear it under that call. Here b's call starts from a streamer of a's, in the middle of a's call;
+    # b patched onto the pool then (a's call had started on a pool of one model) waits too
     a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     ids, mask = left_padded_batch([20], seed=3)
     kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=12)
     refs = {"a": a.generate(ids, **kw), "b": b.generate(ids, **kw)}
     astrai_hf.patch(a, max_tokens=1024, page_size=4)
-    astrai_hf.patch(b, pool=astrai_hf.get_pool(a))
+    if b_patched == "before":
+        astrai_hf.patch(b, pool=astrai_hf.get_pool(a))
     results = {}
 
     def call_b():
         try:
+            if b_patched != "before":
+                astrai_hf.patch(b, pool=astrai_hf.get_pool(a))
             results["b"] = b.generate(ids, **kw)
         except Exception as e:  # recorded, checked below
             results["b"] = e
