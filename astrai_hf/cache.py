@@ -192,6 +192,7 @@ class PagedCache(Cache):
         self._first_step_planned = False
         self._step: StepMetadata | None = None
         self._step_layers: set[int] = set()
+        self._step_shape: tuple[int, int] | None = None  # (rows, tokens) of the K/V the step's first layer stored
         self._pending_known: list[int] | None = None
         self._pending_q = 0
         self.prefix_hit_tokens: list[int] = []
@@ -801,6 +802,16 @@ class PagedCache(Cache):
             if not self.made_by_generate:
                 self._note_positions(position_ids, step, key_states.shape[0], key_states.shape[2])
         self._pending_q = 0
+        shape = (key_states.shape[0], key_states.shape[2])
+        if first:
+            self._step_shape = shape
+        elif shape != self._step_shape:
+            self.release()
+            raise ValueError(
+                f"layer {layer_idx} stored K/V of {shape[1]} tokens x {shape[0]} rows in a step whose first layer "
+                f"stored {self._step_shape[1]} x {self._step_shape[0]}: a PagedCache holds the self-attention K/V "
+                "of the rows it was fed (an encoder-decoder model's cross-attention K/V cannot go in it)"
+            )
         self._step_layers.add(layer_idx)
         key_states, value_states = self._check_layer(layer_idx, key_states, value_states)
         if self._pending_known is not None and len(self._step_layers) == self._num_storing_layers:
@@ -1084,6 +1095,8 @@ class PagedCache(Cache):
         twin = PagedCache(self.pool, prefix_cache=self._rows.insert_on_release,
                           reserve_new_tokens=self.reserve_new_tokens)
         memo[id(self)] = twin
+        if self.returned_by_generate:  # the released cache a patched generate() returned: so is its copy
+            twin.made_by_generate = twin.returned_by_generate = True
         for name in ("stock_attention", "verifies_candidates"):
             if name in self.__dict__:
                 setattr(twin, name, self.__dict__[name])
@@ -1104,6 +1117,28 @@ class PagedCache(Cache):
             twin._rows.reusable = rows.reusable
             twin._rows.reserved = [[] for _ in new_rows]
         return twin
+
+    def __copy__(self) -> "PagedCache":
+        """``copy.copy(cache)``: as :meth:`__deepcopy__` (a cache of its own whose rows share this one's pages);
+        two caches sharing one set of rows would free them twice."""
+        return self.__deepcopy__({})
+
+    def __reduce_ex__(self, protocol):
+        """``pickle`` / ``torch.save`` (of a ``generate()`` output, say): a cache holding no K/V (the released one a
+        patched ``generate()`` returns) is stored as an empty ``DynamicCache``, what a fresh call starts from.
+
+        Raises:
+            TypeError: the cache holds K/V: they live in its pool's storage, which is not pickled.
+        """
+        if self.is_initialized:
+            raise TypeError(
+                f"cannot pickle a PagedCache holding {len(self._rows.req_rows)} rows: its K/V live in a PagePool's "
+                "storage; release it first, or save the K/V of `cache.layers` (or the prefix cache with "
+                "pool.save_prefix_cache)"
+            )
+        from transformers import DynamicCache
+
+        return DynamicCache, ()
 
     def __enter__(self) -> "PagedCache":
         return self

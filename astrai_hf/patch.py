@@ -235,6 +235,13 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(base, torch.nn.Module) and base is not model and _STATE_ATTR in base.__dict__:
             unpatch(base)
         return given
+    hook = model.__dict__.get("__deepcopy__")
+    if isinstance(hook, _OnInstance) and hook.ref() is not model:
+        raise ValueError(
+            f"unpatch() of a shallow copy (copy.copy) of a patched {type(model).__name__}: it shares the patched "
+            "modules of the model it was copied from, which would be left half patched; unpatch that model (or "
+            "make the copy with copy.deepcopy, which patches a copy of its own)"
+        )
     with _one_call(state):  # a call under way on another thread finishes first
         _uninstall(model, state)
     for runner in state.runners.values():
@@ -374,15 +381,26 @@ def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
 def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> torch.nn.Module:
     """``copy.deepcopy`` of a patched model: a copy of the model as it is unpatched, then patched onto the same
     pool with the same settings. (The wrappers close over the original model: copied as they are, the copy's
-    ``forward`` would run the original's weights.) The pool is shared, not copied."""
+    ``forward`` would run the original's weights.) The pool is shared, not copied.
+
+    A wrapper that hands unknown attributes on to the model (peft's ``PeftModel``, ``torch.compile``'s module)
+    finds this ``__deepcopy__`` too: the wrapper is then copied whole, and the copy of the model inside it
+    patched."""
     import copy
 
+    caller = sys._getframe(2)  # copy.deepcopy(x) looked the hook up on x (1 is _OnInstance.__call__)
+    given = model
+    if caller.f_globals.get("__name__") == "copy" and caller.f_code.co_name == "deepcopy":
+        given = caller.f_locals.get("x", model)
     with state.lock:
         _uninstall(model, state)
         try:
-            twin = copy.deepcopy(model, memo)
+            copied = copy.deepcopy(given, memo)
         finally:
             _install(model, state, attention_modules(model))
+    twin = memo.get(id(model), copied) if given is not model else copied
+    if not isinstance(twin, torch.nn.Module) or _STATE_ATTR in twin.__dict__:
+        return copied
     settings = dict(pack_prefill=state.pack_prefill, prefill_chunk_tokens=state.prefill_chunk_tokens,
                     cuda_graphs=state.cuda_graphs)
     own = state.own_pool_kwargs
@@ -391,7 +409,7 @@ def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> 
     else:
         patch(twin, state.pool, **settings)
         getattr(twin, _STATE_ATTR).own_pool_kwargs = own  # a copy moved elsewhere later gets its own pool
-    return twin
+    return copied
 
 
 @contextlib.contextmanager

@@ -58,6 +58,8 @@ class PagePool:
 
     Raises:
         ValueError: a size is out of range or names what cannot be; ``TypeError``: a value of the wrong type.
+        NotImplementedError: the config is of a model whose cache a pool cannot hold (:func:`unsupported_config`:
+            encoder-decoder, hybrid layers, multi-head latent attention).
     """
 
     def __init__(
@@ -75,6 +77,9 @@ class PagePool:
         num_kv_heads: int | None = None,
         process_group=None,
     ):
+        reason = unsupported_config(config)
+        if reason is not None:
+            raise NotImplementedError(f"{type(config).__name__}: {reason}; a PagePool cannot hold its cache")
         spec = KVSpec.from_config(config)
         # integer scalars of numpy / torch are accepted as sizes
         page_size = as_int("page_size", page_size)
@@ -326,7 +331,8 @@ class PagePool:
 
         Cached prefixes are only valid for the weights that computed them: binding a model whose weights, buffers
         or config (RoPE, windows, ...; see :func:`astrai_hf.persist.config_fingerprint`) differ from the previously
-        bound model's clears the prefix cache.
+        bound model's clears the prefix cache, and so does one whose module code, hooks or peft adapter state
+        differ (see :class:`_WeightsVersion`).
 
         Binding a tensor-parallel model makes the pool agree with the model's other ranks (a collective: call it on
         every rank).
@@ -352,9 +358,15 @@ class PagePool:
         self.ranks = ranks
 
         digest = self._fingerprint(model)
-        if self._model_fingerprint is not None and digest != self._model_fingerprint:
+        # the same weights may still compute otherwise: another adapter state (a peft copy with its adapter
+        # disabled), hooks, module code
+        behaviour = self._fingerprints[model][0].behaviour
+        held = self._weights_version  # of the model whose K/V the pool holds, when they were last checked
+        if self._model_fingerprint is not None and (
+                digest != self._model_fingerprint or held is None or held.behaviour != behaviour):
             dropped = self._drop_prefixes()
-            logger.info("PagePool bound to a model with other weights: dropped %d cached prefix pages", dropped)
+            logger.info("PagePool bound to a model with other weights or behaviour: dropped %d cached prefix pages",
+                        dropped)
         self._model_ref, self._model_fingerprint = weakref.ref(model), digest
         self._weights_version = self._fingerprints[model][0]
 
@@ -441,6 +453,15 @@ class PagePool:
                 raise
         return loaded
 
+    def __reduce_ex__(self, protocol):
+        """A pool is neither pickled nor deep-copied (its storage is the K/V memory its caches share).
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError("a PagePool cannot be pickled or copied: share the one pool, build another with "
+                        "PagePool.from_model(model), or save its cached prefixes with pool.save_prefix_cache(path)")
+
     def __repr__(self) -> str:
         s = self.stats()
         return (
@@ -483,9 +504,9 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
     models that keep a cache class of their own; K and V of different head sizes (multi-head latent attention).
     """
     config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     if getattr(config, "is_encoder_decoder", False):
-        return "an encoder-decoder model (its decoder attends to the encoder's states)"
+        return _ENCODER_DECODER
     cross = sorted({type(m).__name__ for m in model.modules()
                     if getattr(m, "is_cross_attention", False) is True or "Cross" in type(m).__name__})
     if cross or any(hasattr(m, "encoder_attn") for m in model.modules()):
@@ -504,6 +525,50 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
         kinds = f" ({', '.join(other)} layers)" if other else ""
         return (f"a hybrid model: self-attention in layers {found} of {layers}{kinds}; the other layers keep a "
                 "state that is not a K/V cache")
+    return _state_layers(text) or _kv_geometry(text)
+
+
+def unsupported_config(config) -> str | None:
+    """Why a pool cannot hold the cache of a model of ``config`` (a transformers ``PretrainedConfig``), or None:
+    what :func:`unsupported_model` refuses that the config alone tells (encoder-decoder, layers of another kind
+    than attention, layers of different K/V geometry, multi-head latent attention)."""
+    text = _text_config(config)
+    if getattr(config, "is_encoder_decoder", False):
+        return _ENCODER_DECODER
+    return _per_layer_geometry(text) or _state_layers(text) or _kv_geometry(text)
+
+
+_ENCODER_DECODER = "an encoder-decoder model (its decoder attends to the encoder's states)"
+# the fields that list each layer's kind, and the kinds that keep a state that is no K/V cache
+_LAYER_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types")
+_STATE_KINDS = ("mamba", "conv", "linear", "recurrent", "hybrid", "ssm", "rwkv", "deltanet")
+
+
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _state_layers(text) -> str | None:
+    """Layers that keep a recurrent state (state-space, convolution, linear attention), read from the config."""
+    for field in _LAYER_KIND_FIELDS:
+        try:
+            kinds = getattr(text, field, None)
+        except Exception:  # a property of the config class that needs fields this config lacks
+            kinds = None
+        if isinstance(kinds, (list, tuple)):
+            other = sorted({k for k in kinds if isinstance(k, str) and any(w in k.lower() for w in _STATE_KINDS)})
+            if other:
+                return (f"a hybrid model: its {field} include {', '.join(other)} layers, which keep a state that is "
+                        "not a K/V cache")
+    ssm = sorted(k for k in vars(text) if k.startswith(("mamba_", "ssm_")))
+    if ssm:
+        return f"a hybrid model: state-space layers next to attention ({', '.join(ssm[:3])} in its config)"
+    return None
+
+
+def _kv_geometry(text) -> str | None:
+    """K/V that one pool geometry cannot store: a latent vector (multi-head latent attention), or K and V of
+    different head sizes."""
     v_dim = getattr(text, "v_head_dim", None)
     k_dim = getattr(text, "qk_head_dim", None) or getattr(text, "head_dim", None)
     rank = getattr(text, "kv_lora_rank", None)

@@ -433,6 +433,54 @@ def test_deepcopy_shares_pages_and_gives_the_tokens_of_the_transformers_prompt_r
     assert pool.stats()["num_used_pages"] == 0
 
 
+def test_a_patched_generate_output_pickles_as_a_stock_one_and_a_live_cache_or_pool_says_why_not(tmp_path):
+    # torch.save(out) of return_dict_in_generate had failed on the returned cache's weak references
+    import copy
+    import pickle
+
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    with astrai_hf.patched(model, max_tokens=256, page_size=4):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             return_dict_in_generate=True, output_scores=True)
+        torch.save(out, tmp_path / "out.pt")
+        loaded = torch.load(tmp_path / "out.pt", weights_only=False)
+        assert torch.equal(loaded.sequences, out.sequences)
+        assert type(loaded.past_key_values) is DynamicCache and loaded.past_key_values.get_seq_length() == 0
+        pool = astrai_hf.get_pool(model)
+        with PagedCache(pool, ids, mask) as live:
+            live.plan_step(2, ids.shape[1], attention_mask=mask)  # holds rows now
+            with pytest.raises(TypeError, match="holding 2 rows"):
+                pickle.dumps(live)
+            shallow = copy.copy(live)  # a cache of its own sharing the pages, not the rows
+            assert shallow.seq_lens == live.seq_lens and shallow._rows is not live._rows
+            shallow.release()
+        for action in (pickle.dumps, copy.deepcopy, copy.copy):
+            with pytest.raises(TypeError, match="PagePool cannot be pickled or copied"):
+                action(pool)
+        assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_deep_copy_of_the_cache_generate_returned_is_released_like_it():
+    # passing the copy back (a recipe that looks like stock's) had made it a cache of the caller's, holding its
+    # pages after the call
+    import copy
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(max_new_tokens=4, do_sample=False)
+    with astrai_hf.patched(model, max_tokens=256, page_size=4):
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kw)
+        more = torch.cat([out.sequences, torch.full((2, 1), 7)], 1)
+        mask2 = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        copied = copy.deepcopy(out.past_key_values)
+        again = model.generate(more, attention_mask=mask2, past_key_values=copied, **kw)
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0  # with the copy still alive
+    assert torch.equal(again, model.generate(more, attention_mask=mask2, **kw))
+
+
 def test_crop_refuses_a_non_int_and_leaves_the_cache_as_it_was():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([5, 3])

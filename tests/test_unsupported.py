@@ -178,6 +178,33 @@ def test_pool_refuses_a_cache_it_cannot_hold(name):
         PagePool.from_model(_build(name), max_tokens=512)
 
 
+@pytest.mark.parametrize("name", ["jamba", "lfm2", "bart", "t5", "deepseek_v3"])
+def test_a_pool_built_from_the_config_alone_refuses_it_as_from_model_does(name):
+    # PagePool(config) had accepted encoder-decoder and hybrid configs: BART then stored its cross-attention K/V
+    # as tokens of the rows (other logits, no error)
+    model = _build(name)
+    with pytest.raises(NotImplementedError, match=UNSUPPORTED[name][1]):
+        PagePool(model.config, max_tokens=512)
+
+
+@pytest.mark.parametrize("config", ["FalconH1Config", "RecurrentGemmaConfig", "Qwen3NextConfig", "Zamba2Config"])
+def test_a_pool_refuses_the_config_of_a_hybrid_model(config):
+    with _quiet():
+        cfg = getattr(T, config)()
+    with pytest.raises(NotImplementedError, match="hybrid model"):
+        PagePool(cfg, max_tokens=64)
+
+
+def test_a_cache_fed_the_cross_attention_kv_of_an_encoder_decoder_model_says_so():
+    # a PagedCache of a decoder-only pool handed to BART: its cross-attention stores K/V of the encoder's length
+    # in the same step, which had ended in an IndexError of index_copy_
+    model = _build("bart")
+    pool = PagePool(T.LlamaConfig(**dict(_COMMON, num_key_value_heads=4)), max_tokens=512)  # BART's K/V geometry
+    with pytest.raises(ValueError, match="cross-attention"), PagedCache(pool) as cache:
+        model.generate(_IDS, **{astrai_hf.cache_kwarg(model): cache}, **_KW)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 @pytest.mark.parametrize("name", ["gpt_oss", "jamba", "bart", "llama4_chunked"])
 def test_zero_code_hook_keeps_stock_generate(name):
     from astrai_hf.patches import autopatch

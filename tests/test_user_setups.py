@@ -113,6 +113,47 @@ def test_deepcopy_of_a_patched_model_is_a_patched_model_of_its_own():
     assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), got)  # the original, restored
 
 
+def test_deepcopy_of_a_peft_model_around_a_patched_model_is_a_peft_model_with_a_patched_copy_inside():
+    # TRL's reference model and EMA copies deep-copy the PeftModel; it hands unknown attributes on to the model,
+    # whose __deepcopy__ hook had copied the inner model alone
+    peft = pytest.importorskip("peft")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+
+    def lora(model):
+        torch.manual_seed(3)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return peft.get_peft_model(model, config).eval()
+
+    stock = lora(tiny_model("llama"))
+    ref = stock.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    base = tiny_model("llama")
+    astrai_hf.patch(base, max_tokens=512, page_size=4)
+    wrapped = lora(base)
+    twin = copy.deepcopy(wrapped)
+    assert type(twin) is type(wrapped) and twin.base_model.model is not base
+    inner = twin.get_base_model()
+    assert astrai_hf.is_patched(inner) and astrai_hf.get_pool(inner) is astrai_hf.get_pool(base)
+    assert torch.equal(twin.generate(input_ids=ids, attention_mask=mask, **GREEDY), ref)
+    with twin.disable_adapter():  # a PeftModel's own API
+        plain = twin.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    assert not torch.equal(plain, ref)
+    assert torch.equal(wrapped.generate(input_ids=ids, attention_mask=mask, **GREEDY), ref)
+    assert astrai_hf.get_pool(base).stats()["num_used_pages"] == 0
+
+
+def test_unpatch_of_a_shallow_copy_is_refused_and_leaves_the_model_patched():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    ref = model.generate(ids, attention_mask=mask, **GREEDY)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        shallow = copy.copy(model)
+        with pytest.raises(ValueError, match="shallow copy"):
+            astrai_hf.unpatch(shallow)
+        assert astrai_hf.is_patched(model)
+        assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
+        del shallow
+
+
 @pytest.mark.parametrize("implementation", ["hybrid", "static", "sliding_window"])
 def test_a_cache_implementation_in_the_models_generation_config_does_not_turn_the_patch_off(implementation):
     model = tiny_model("gemma2")
