@@ -234,7 +234,9 @@ class PagedCache(Cache):
                 pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
                 self.checked_model = id(target)
             self._match_prefix(pads, L)
-            if target is not None and self.prefilled_from_prefix_cache:
+            if target is not None and self.prefilled_from_prefix_cache and "_astrai_patch_state" not in vars(target):
+                # a model used without patch(): nothing sees the call start, so the cache drops them now (a
+                # patched generate() drops them when the call that uses the cache starts)
                 forget_rope_deltas(target)
 
     @property
@@ -871,8 +873,8 @@ class PagedCache(Cache):
         """Columns of the rectangle generate() has fed so far (padding included). A layer asking during a forward,
         before it stored that forward's K/V, gets the columns before the forward, as from ``DynamicCache``, whose
         layers fill one by one (Llama 4's NoPE layers scale their queries by positions counted so). A layer index
-        past the model's layers gets 0, as from ``DynamicCache``."""
-        if layer_idx >= self.num_layers:
+        past the model's layers, or a cache holding no rows, gets 0, as from ``DynamicCache``."""
+        if layer_idx >= self.num_layers or not self._rows.req_rows:  # (every row dropped: 0, as DynamicCache)
             return 0
         step = self._step
         if (step is not None and self._step_layers and layer_idx not in self._step_layers
@@ -930,7 +932,7 @@ class PagedCache(Cache):
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as a ``DynamicCache`` holds them: [B, num_kv_heads, logical_len, head_dim] each,
         every row's tokens right-aligned behind its left padding, the padding columns zero. A copy gathered from
-        the pool, on the layer's device; [0, num_kv_heads, 0, head_dim] while the cache holds nothing.
+        the pool, on the layer's device; [0, num_kv_heads, logical_len, head_dim] while it holds no rows.
 
         Raises:
             ValueError: ``layer_idx`` is not a layer of the model.
@@ -944,8 +946,8 @@ class PagedCache(Cache):
             raise ValueError(f"layer_idx={layer_idx} is outside this cache's {self.num_layers} layers")
         layer = getattr(self.pool.storage, which)[layer_idx]
         rows = self._rows
-        if not rows.req_rows:
-            return layer.new_zeros(0, layer.shape[1], 0, layer.shape[2])
+        if not rows.req_rows:  # nothing yet, or every row dropped (logical_len stays, as in DynamicCache)
+            return layer.new_zeros(0, layer.shape[1], self.logical_len, layer.shape[2])
         width = self.logical_len
         seq = [max(0, width - p) for p in self._num_pad[: len(rows.req_rows)]]
         slots, padding = rect_slots(self.pool.req_to_token.table, rows.req_rows, seq, width)
@@ -984,6 +986,8 @@ class PagedCache(Cache):
     def _row_indices(self, indices, name: str, *, allow_bool: bool) -> list[int]:
         """``indices`` as a list of row indices (a boolean mask read as the rows where it is True)."""
         t = torch.as_tensor(indices)
+        if t.numel() == 0 and not t.dtype == torch.bool:
+            return []  # no rows ([] reads as float32)
         if t.dim() > 1:
             t = t.reshape(-1)
         if t.dtype == torch.bool:

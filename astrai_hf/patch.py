@@ -392,6 +392,8 @@ def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> 
     given = model
     if caller.f_globals.get("__name__") == "copy" and caller.f_code.co_name == "deepcopy":
         given = caller.f_locals.get("x", model)
+    if given is not model and isinstance(getattr(given, "__dict__", {}).get("__deepcopy__"), _OnInstance):
+        given = model  # a shallow copy.copy() of the model (its own hook, on its dict): a copy of the model
     with state.lock:
         _uninstall(model, state)
         try:
@@ -1033,6 +1035,8 @@ def _wrap_generate(owner, generate, state: PatchState):
             if cache is not None:
                 cache.release()
             raise
+        if cache.prefilled_from_prefix_cache:
+            forget_rope_deltas(model)
         try:
             return generate(*args, **{**kwargs, state.cache_kwarg: cache})
         finally:

@@ -83,8 +83,23 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         local = p.to_local() if hasattr(p, "to_local") else p  # DTensor under tensor parallelism
         if local.is_meta or not local.numel():
             continue
-        h.update(_run_sums(local.detach()))
+        for part in _plain_parts(local.detach()):
+            h.update(_run_sums(part))
     return h.hexdigest()
+
+
+def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """Strided tensors holding every bit of ``t``: ``t`` itself; a quantized tensor's integer values with its scales
+    and zero points; a sparse tensor's values as a dense one."""
+    if t.is_quantized:
+        if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            params = [torch.tensor([t.q_scale()], dtype=torch.float64), torch.tensor([t.q_zero_point()])]
+        else:
+            params = [t.q_per_channel_scales(), t.q_per_channel_zero_points(), torch.tensor([t.q_per_channel_axis()])]
+        return [t.int_repr(), *params]
+    if t.layout != torch.strided:
+        return [t.to_dense()]
+    return [t]
 
 
 _WORDS_PER_SUM = 256

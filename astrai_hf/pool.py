@@ -812,6 +812,8 @@ _STEP_HOOK = None
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if p.grad is None:  # torch's optimizers leave a parameter without a gradient as it is
+                continue
             n = _OPTIMIZER_STEPS.get(id(p))
             if n is None:
                 weakref.finalize(p, _OPTIMIZER_STEPS.pop, id(p), None)

@@ -182,6 +182,21 @@ def test_an_optimizer_step_drops_the_prefix_cache(optimizer):
     assert pool.stats()["num_used_pages"] == 0
 
 
+def test_an_optimizer_step_without_gradients_keeps_the_prefix_cache():
+    # torch's optimizers leave a parameter without a gradient unchanged: nothing to drop
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 20], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    with astrai_hf.patched(model, max_tokens=1024):
+        pool = astrai_hf.get_pool(model)
+        model.generate(ids, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        opt.step()  # no backward: every grad is None
+        before = pool.stats()["prefix_hit_tokens"]
+        model.generate(ids, **kw)
+        assert pool.stats()["prefix_hit_tokens"] > before
+
+
 def test_generate_from_several_threads():
     model = tiny_model("llama")
     batches = [left_padded_batch([5 + i, 9, 3 + i], seed=i) for i in range(4)]

@@ -184,6 +184,25 @@ def test_batch_select_indices_takes_a_boolean_mask_of_rows_as_dynamic_cache_does
     assert pool.stats()["num_used_pages"] == 0
 
 
+@pytest.mark.parametrize("none", ["[]", "all False"])
+def test_selecting_no_rows_leaves_an_empty_cache_of_the_shape_dynamic_cache_has(none):
+    # [] had been refused as float indices; with every row dropped the layers had lost their columns too
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 7, 5], seed=1)
+    pool = PagePool.from_model(model, max_tokens=1024)
+    select = [] if none == "[]" else torch.tensor([False, False, False])
+    shapes = []
+    with torch.no_grad():
+        for cache in (_dynamic(model), PagedCache(pool, prefix_cache=False)):
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{astrai_hf.cache_kwarg(model): cache})
+            cache.batch_select_indices(select)
+            shapes.append((tuple(cache.layers[0].keys.shape), cache.get_seq_length()))
+            if isinstance(cache, PagedCache):
+                cache.release()
+    assert shapes[1] == shapes[0]
+    assert pool.stats()["num_used_pages"] == 0
+
+
 class _nothing:
     def __enter__(self):
         return None

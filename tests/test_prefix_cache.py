@@ -415,6 +415,35 @@ def test_the_weights_digest_reads_a_tensor_at_an_odd_place_in_its_storage():
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
 
 
+@pytest.mark.parametrize("kind", ["quantized per tensor", "quantized per channel", "sparse"])
+def test_the_weights_digest_reads_quantized_and_sparse_buffers(kind):
+    # a quantized tensor's byte view had crashed the process, a sparse one raised naming neither tensor nor model
+    import warnings
+
+    from astrai_hf.persist import weights_fingerprint
+
+    def make(values, scale=0.1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+            if kind == "quantized per tensor":
+                return torch.quantize_per_tensor(values, scale, 0, torch.quint8)
+            if kind == "quantized per channel":
+                return torch.quantize_per_channel(values, torch.full((values.shape[0],), scale, dtype=torch.float64),
+                                                  torch.zeros(values.shape[0], dtype=torch.long), 0, torch.qint8)
+        return values.to_sparse()
+
+    values = torch.arange(12.0).view(3, 4) / 10
+    model = tiny_model("llama")
+    model.register_buffer("extra", make(values))
+    before = weights_fingerprint(model)
+    assert weights_fingerprint(model) == before
+    model.extra = make(values.flip(0))
+    assert weights_fingerprint(model) != before
+    if kind != "sparse":
+        model.extra = make(values, scale=0.2)  # the same integers at another scale
+        assert weights_fingerprint(model) != before
+
+
 _PREFIXES = [_tokens(n, seed=100 + n) for n in (5, 9, 14)]
 
 

@@ -151,6 +151,10 @@ def test_unpatch_of_a_shallow_copy_is_refused_and_leaves_the_model_patched():
             astrai_hf.unpatch(shallow)
         assert astrai_hf.is_patched(model)
         assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
+        twin = copy.deepcopy(shallow)  # a deep copy of the shallow copy is a patched copy of the model
+        assert astrai_hf.is_patched(twin) and twin is not model
+        assert torch.equal(twin.generate(ids, attention_mask=mask, **GREEDY), ref)
+        assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), ref)
         del shallow
 
 
