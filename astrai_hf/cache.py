@@ -196,6 +196,7 @@ class PagedCache(Cache):
         self._pending_known: list[int] | None = None
         self._pending_q = 0
         self.prefix_hit_tokens: list[int] = []
+        self._hit_model_key: tuple | None = None  # the pool's held_model_key() when the prefix hits were matched
         self.checked_model: int | None = None  # id() of the model a patched forward last checked this cache for
         self.step_saw_positions = False
         self._pads_on_device: tuple | None = None  # ((num_pad, B, device), [B] tensor) for _note_positions
@@ -355,6 +356,11 @@ class PagedCache(Cache):
         hit, pc = sum(self.prefix_hit_tokens), self.pool.prefix_cache
         if not hit or pc is None or self._rows.epoch is None or self._rows.epoch == pc.epoch:
             return
+        if self._hit_model_key is not None and self._hit_model_key == self.pool.held_model_key():
+            # cleared by a turn of another model on the pool (a call from this call's streamer), which the pool
+            # has been taken back from: the pages this cache holds are still this model's K/V
+            self._rows.epoch = pc.epoch
+            return
         self.release()
         raise ValueError(
             f"this PagedCache started with {hit} prompt tokens from the prefix cache, which has been cleared since "
@@ -407,6 +413,7 @@ class PagedCache(Cache):
             rows.epoch = pool.prefix_cache.epoch
             rows.reserved = [[] for _ in req_rows]
         pool.counters["prefix_hit_tokens"] += sum(use)
+        self._hit_model_key = pool.held_model_key() if self.checked_model is not None else None
         w_rows, w_cols, w_slots, w_ids = [], [], [], []
         for r, u in enumerate(use):
             pages = rows.pages[r]

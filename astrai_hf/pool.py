@@ -406,6 +406,13 @@ class PagePool:
             memo = self._fingerprints[model] = (_WeightsVersion(model), weights_fingerprint(model))
         return f"{memo[1]}.{config_fingerprint(model)}"
 
+    def held_model_key(self) -> tuple | None:
+        """What the cached prefixes were computed by: the bound model's fingerprint and behaviour when they were
+        last checked (None before a model is bound). Two moments with equal keys hold K/V of the same computation."""
+        if self._model_fingerprint is None or self._weights_version is None:
+            return None
+        return self._model_fingerprint, self._weights_version.behaviour
+
     @property
     def model(self) -> torch.nn.Module | None:
         """The bound model, if it is still alive."""

@@ -275,6 +275,37 @@ def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other(b_pa
         astrai_hf.unpatch(b)
 
 
+def test_another_model_on_the_pool_called_from_a_streamer_in_the_same_thread_leaves_the_call_intact():
+    # the nested call takes the pool over and clears its prefix cache; the outer call, whose cache started from a
+    # prefix hit of its own model's, had then refused to go on ("the prefix cache ... has been cleared since")
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids, mask = left_padded_batch([20, 14], seed=3)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=6)
+    refs = {"a": a.generate(ids, **kw), "b": b.generate(ids, **kw)}
+    results = {}
+
+    class CallsB:
+        calls = 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 1:  # generate() puts the prompt before its first forward
+                results["b"] = b.generate(ids, **kw)
+
+        def end(self):
+            pass
+
+    with astrai_hf.patched(a, max_tokens=1024, page_size=4):
+        pool = astrai_hf.get_pool(a)
+        with astrai_hf.patched(b, pool=pool):
+            a.generate(ids, **kw)  # a's prompt in the prefix cache
+            hits = pool.stats()["prefix_hit_tokens"]
+            results["a"] = a.generate(ids, **kw, streamer=CallsB())
+            assert pool.stats()["prefix_hit_tokens"] > hits
+            assert all(torch.equal(results[k], refs[k]) for k in refs)
+            assert _used(a) == 0
+
+
 def test_assisted_decoding_across_two_pools_from_two_threads_does_not_deadlock():
     # A (pool P) assisted by B (pool Q) in one thread, C (pool Q) assisted by D (pool P) in another: calls nest
     # across the pools in both orders
