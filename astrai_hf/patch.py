@@ -588,7 +588,12 @@ def own_attention_mask(cls: type) -> str | None:
                              and node.value.id in params)
                     for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
                     for t in ast.walk(target) if isinstance(t, ast.Name)}
+        var_kw = fn.args.kwarg.arg if fn.args.kwarg is not None else None
+        mask_in_kwargs = var_kw is not None and _writes_key(fn, var_kw, "attention_mask")
         for call in calls:
+            if mask_in_kwargs and any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == var_kw
+                                      for k in call.keywords):
+                return f"{var_kw}['attention_mask']"  # a mask put into the keyword arguments handed on
             if _is_super_forward(call):  # the mask handed on to the parent's forward
                 mask = next((k.value for k in call.keywords if k.arg == "attention_mask"), None)
                 at = parent_params.index("attention_mask") if "attention_mask" in parent_params else None
@@ -602,6 +607,27 @@ def own_attention_mask(cls: type) -> str | None:
             if not (isinstance(mask, ast.Name) and mask.id in params and mask.id not in assigned):
                 return ast.unparse(mask)[:60]
     return None
+
+
+def _writes_key(fn: ast.AST, name: str, key: str) -> bool:
+    """Whether ``fn`` puts ``key`` into the dict ``name`` (``name[key] = ...``, ``name.update(key=...)``,
+    ``name.setdefault(key, ...)``)."""
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == name
+                        and isinstance(target.slice, ast.Constant) and target.slice.value == key):
+                    return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == name and node.func.attr in ("update", "setdefault")):
+            if any(k.arg == key for k in node.keywords):
+                return True
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and first.value == key:
+                return True
+            if isinstance(first, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == key for k in first.keys):
+                return True
+    return False
 
 
 @functools.cache

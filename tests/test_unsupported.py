@@ -290,6 +290,37 @@ def test_a_subclass_that_makes_a_mask_of_its_own_before_super_forward_is_refused
     assert own_attention_mask(PlainSubclass) is None
 
 
+def test_a_subclass_that_puts_a_mask_of_its_own_into_the_kwargs_it_hands_on_is_refused():
+    # the mask reaches the parent's forward inside **kwargs: it had been patched (and attended as plain causal)
+    import transformers.models.llama.modeling_llama as llama
+
+    def masked(attention_mask):
+        attention_mask = attention_mask.clone()
+        attention_mask[..., 1:3] = -1e9
+        return attention_mask
+
+    class ByItem(llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, **kwargs):
+            kwargs["attention_mask"] = masked(kwargs["attention_mask"])
+            return super().forward(hidden_states, position_embeddings, **kwargs)
+
+    class ByUpdate(llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, **kw):
+            kw.update(attention_mask=masked(kw["attention_mask"]))
+            return super().forward(hidden_states, position_embeddings, **kw)
+
+    class ReadsOnly(llama.LlamaAttention):  # reads the mask from the kwargs, hands them on unchanged: served
+        def forward(self, hidden_states, position_embeddings, **kwargs):
+            assert kwargs.get("attention_mask") is not None or True
+            return super().forward(hidden_states, position_embeddings, **kwargs)
+
+    from astrai_hf.patch import own_attention_mask
+
+    assert own_attention_mask(ByItem) == "kwargs['attention_mask']"
+    assert own_attention_mask(ByUpdate) == "kw['attention_mask']"
+    assert own_attention_mask(ReadsOnly) is None
+
+
 def test_a_subclass_of_an_attention_that_leaves_the_window_to_the_mask_is_judged_as_its_parent():
     import transformers.models.phimoe.modeling_phimoe as phimoe
 
