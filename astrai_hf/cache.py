@@ -94,6 +94,9 @@ class _Rows:
             self.pool.prefix_cache.insert(row_ids[:n], self.pages[r])
 
 
+PATCH_STATE_ATTR = "_astrai_patch_state"  # where patch() keeps a patched model's state (on the model's __dict__)
+
+
 def forget_rope_deltas(model: torch.nn.Module) -> None:
     """Drop the M-RoPE offsets (``rope_deltas``, Qwen2-VL and its kin) that ``model``'s modules keep from their last
     call, before a text call starts from a cache the prefix cache pre-filled.
@@ -235,7 +238,7 @@ class PagedCache(Cache):
                 pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
                 self.checked_model = id(target)
             self._match_prefix(pads, L)
-            if target is not None and self.prefilled_from_prefix_cache and "_astrai_patch_state" not in vars(target):
+            if target is not None and self.prefilled_from_prefix_cache and PATCH_STATE_ATTR not in vars(target):
                 # a model used without patch(): nothing sees the call start, so the cache drops them now (a
                 # patched generate() drops them when the call that uses the cache starts)
                 forget_rope_deltas(target)
@@ -993,7 +996,7 @@ class PagedCache(Cache):
     def _row_indices(self, indices, name: str, *, allow_bool: bool) -> list[int]:
         """``indices`` as a list of row indices (a boolean mask read as the rows where it is True)."""
         t = torch.as_tensor(indices)
-        if t.numel() == 0 and not t.dtype == torch.bool:
+        if t.numel() == 0 and t.dtype != torch.bool:
             return []  # no rows ([] reads as float32)
         if t.dim() > 1:
             t = t.reshape(-1)

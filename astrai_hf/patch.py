@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention, packing
-from .cache import PagedCache, cache_kwarg, forget_rope_deltas, left_padding
+from .cache import PATCH_STATE_ATTR, PagedCache, cache_kwarg, forget_rope_deltas, left_padding
 from .config import KVSpec, as_count, as_flag
 from .distributed import agree
 from .errors import CacheFullError
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules, unsupported_model
 
-_STATE_ATTR = "_astrai_patch_state"
+_STATE_ATTR = PATCH_STATE_ATTR
 logger = logging.getLogger(__name__)
 
 

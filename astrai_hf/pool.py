@@ -360,10 +360,8 @@ class PagePool:
         digest = self._fingerprint(model)
         # the same weights may still compute otherwise: another adapter state (a peft copy with its adapter
         # disabled), hooks, module code
-        behaviour = self._fingerprints[model][0].behaviour
-        held = self._weights_version  # of the model whose K/V the pool holds, when they were last checked
-        if self._model_fingerprint is not None and (
-                digest != self._model_fingerprint or held is None or held.behaviour != behaviour):
+        if self._model_fingerprint is not None and self.held_model_key() != (
+                digest, self._fingerprints[model][0].behaviour):
             dropped = self._drop_prefixes()
             logger.info("PagePool bound to a model with other weights or behaviour: dropped %d cached prefix pages",
                         dropped)
