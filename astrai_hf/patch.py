@@ -157,24 +157,13 @@ def patch(
             "AutoModelForCausalLM), whose generate() it routes through the pool. For a bare decoder, pass a "
             "PagedCache to its forward yourself"
         )
+    if pool is not None and pool_kwargs:
+        raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
     if state is not None:
-        if pool is not None and pool_kwargs:
-            raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
+        own_pool_kwargs = None
         if pool is None and pool_kwargs:
-            pool = PagePool.from_model(model, **pool_kwargs)
-            state.own_pool_kwargs = dict(pool_kwargs)
-        elif pool is not None:
-            state.own_pool_kwargs = None
-        if pool is not None:
-            with _one_call(state, pool):  # a call under way on this model or pool finishes first
-                pool.check_model(model)
-                _check_chunked_attention(model, pool)
-                _check_window_in_mask(model, pool)
-                pool.bind_model(model)
-                state.pool = pool
-        state.pack_prefill = pack_prefill
-        state.prefill_chunk_tokens = prefill_chunk_tokens
-        state.cuda_graphs = _wants_graphs(model, cuda_graphs)
+            pool, own_pool_kwargs = PagePool.from_model(model, **pool_kwargs), dict(pool_kwargs)
+        _repatch(model, state, pool, own_pool_kwargs, pack_prefill, prefill_chunk_tokens, cuda_graphs)
         return given
     modules = attention_modules(model, every_copy=True)
     if not modules:
@@ -182,15 +171,42 @@ def patch(
             f"{type(model).__name__}: found no self-attention modules with a layer_idx; astrai-hf cannot patch it"
         )
     _check_attention_modules(model, modules)
-    own_pool_kwargs = None
+    own_pool_kwargs, chosen = None, pool is not None or bool(pool_kwargs)
     if pool is None:
         pool = PagePool.from_model(model, **pool_kwargs)
         own_pool_kwargs = dict(pool_kwargs)
-    elif pool_kwargs:
-        raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
     with pool.call_lock:  # a call under way on this pool (another model's) finishes first
-        _patch_onto(model, pool, modules, pack_prefill, prefill_chunk_tokens, cuda_graphs, own_pool_kwargs)
+        with _INSTALL_LOCK:
+            state = getattr(model, _STATE_ATTR, None)
+            if state is None:
+                _patch_onto(model, pool, modules, pack_prefill, prefill_chunk_tokens, cuda_graphs, own_pool_kwargs)
+                return given
+    # another thread's patch() of this model installed first: this call applies its settings to that patch, and
+    # its pool only when one was given or sized (a plain patch() of a patched model keeps the pool)
+    _repatch(model, state, pool if chosen else None, own_pool_kwargs, pack_prefill, prefill_chunk_tokens, cuda_graphs)
     return given
+
+
+# held while patch() installs its wrappers on a model or unpatch() takes them off (never while waiting for a call):
+# two threads patching one model at once install once, and the second applies its settings to that patch
+_INSTALL_LOCK = threading.RLock()
+
+
+def _repatch(model, state: PatchState, pool: PagePool | None, own_pool_kwargs: dict | None, pack_prefill: bool,
+             prefill_chunk_tokens: int | None, cuda_graphs: bool | None) -> None:
+    """:func:`patch` of a patched model: this call's settings, and ``pool`` when one is given or sized
+    (``own_pool_kwargs``: the sizing of a pool patch() built, else None)."""
+    if pool is not None:
+        with _one_call(state, pool):  # a call under way on this model or pool finishes first
+            pool.check_model(model)
+            _check_chunked_attention(model, pool)
+            _check_window_in_mask(model, pool)
+            pool.bind_model(model)
+            state.pool = pool
+            state.own_pool_kwargs = own_pool_kwargs
+    state.pack_prefill = pack_prefill
+    state.prefill_chunk_tokens = prefill_chunk_tokens
+    state.cuda_graphs = _wants_graphs(model, cuda_graphs)
 
 
 def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefill_chunk_tokens: int | None,
@@ -242,7 +258,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             "modules of the model it was copied from, which would be left half patched; unpatch that model (or "
             "make the copy with copy.deepcopy, which patches a copy of its own)"
         )
-    with _one_call(state):  # a call under way on another thread finishes first
+    with _one_call(state), _INSTALL_LOCK:  # a call under way on another thread finishes first
+        if model.__dict__.get(_STATE_ATTR) is not state:
+            return given  # another thread's unpatch() took it off meanwhile
         _uninstall(model, state)
     for runner in state.runners.values():
         runner.close()
@@ -589,11 +607,12 @@ def own_attention_mask(cls: type) -> str | None:
                     for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
                     for t in ast.walk(target) if isinstance(t, ast.Name)}
         var_kw = fn.args.kwarg.arg if fn.args.kwarg is not None else None
-        mask_in_kwargs = var_kw is not None and _writes_key(fn, var_kw, "attention_mask")
+        mask_in_dicts = _writes_key(fn, "attention_mask")
+        if "attention_mask" in params and "attention_mask" not in assigned and _changes_in_place(fn, "attention_mask"):
+            return "attention_mask, changed in place"
         for call in calls:
-            if mask_in_kwargs and any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == var_kw
-                                      for k in call.keywords):
-                return f"{var_kw}['attention_mask']"  # a mask put into the keyword arguments handed on
+            if mask_in_dicts and any(k.arg is None for k in call.keywords):
+                return "an attention_mask put into the **kwargs handed on"
             if _is_super_forward(call):  # the mask handed on to the parent's forward
                 mask = next((k.value for k in call.keywords if k.arg == "attention_mask"), None)
                 at = parent_params.index("attention_mask") if "attention_mask" in parent_params else None
@@ -609,24 +628,42 @@ def own_attention_mask(cls: type) -> str | None:
     return None
 
 
-def _writes_key(fn: ast.AST, name: str, key: str) -> bool:
-    """Whether ``fn`` puts ``key`` into the dict ``name`` (``name[key] = ...``, ``name.update(key=...)``,
-    ``name.setdefault(key, ...)``)."""
+def _writes_key(fn: ast.AST, key: str) -> bool:
+    """Whether ``fn`` puts ``key`` into a dict: ``d[key] = ...``, a literal ``{key: ...}`` (``{**kwargs, key: m}``,
+    ``kwargs |= {key: m}``), ``dict(kwargs, key=...)``, ``d.update(key=...)`` or ``d.setdefault(key, ...)``.
+    Reads (``kwargs.get(key)``, ``kwargs[key]``) do not count."""
     for node in ast.walk(fn):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == name
-                        and isinstance(target.slice, ast.Constant) and target.slice.value == key):
+                if (isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)
+                        and target.slice.value == key):
                     return True
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == name and node.func.attr in ("update", "setdefault")):
+        if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == key for k in node.keys):
+            return True
+        if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Name) and node.func.id == "dict" and any(k.arg == key for k in node.keywords):
+            return True
+        if isinstance(node.func, ast.Attribute) and node.func.attr in ("update", "setdefault", "__setitem__"):
             if any(k.arg == key for k in node.keywords):
                 return True
             first = node.args[0] if node.args else None
             if isinstance(first, ast.Constant) and first.value == key:
                 return True
-            if isinstance(first, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == key for k in first.keys):
-                return True
+    return False
+
+
+def _changes_in_place(fn: ast.AST, name: str) -> bool:
+    """Whether ``fn`` writes into the tensor ``name`` in place: an in-place method (``name.masked_fill_(...)``,
+    ``name.add_(...)``) or an item assignment (``name[...] = ...``)."""
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == name and node.func.attr.endswith("_") and not node.func.attr.startswith("_")):
+            return True
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == name:
+                    return True
     return False
 
 

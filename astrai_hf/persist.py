@@ -85,6 +85,18 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             continue
         for part in _plain_parts(local.detach()):
             h.update(_run_sums(part))
+    from .pool import _packed_params
+
+    for name, obj in sorted(_packed_params(model).items()):  # quantize_dynamic's packed weights
+        holder = model.get_submodule(name)
+        unpack = getattr(holder, "_weight_bias", None)
+        parts = unpack() if callable(unpack) else ()
+        h.update(f"packed|{name}|{type(holder).__name__}".encode())
+        for t in parts if isinstance(parts, (tuple, list)) else (parts,):
+            if isinstance(t, torch.Tensor) and t.numel():
+                h.update(f"{tuple(t.shape)}|{t.dtype}".encode())
+                for part in _plain_parts(t.detach()):
+                    h.update(_run_sums(part))
     return h.hexdigest()
 
 

@@ -492,8 +492,10 @@ def attention_modules(model: torch.nn.Module, every_copy: bool = False) -> list[
     found: dict[int, list] = {}
     for module in root.modules():
         idx = getattr(module, "layer_idx", None)
-        name = type(module).__name__
-        if isinstance(idx, int) and "Attention" in name and "Cross" not in name:
+        if not isinstance(idx, int):
+            continue
+        names = [k.__name__ for k in type(module).__mro__]  # a subclass of yours is named as it likes
+        if any("Attention" in n for n in names) and not any("Cross" in n for n in names):
             found.setdefault(idx, []).append(module)
     return [m for i in sorted(found) for m in (found[i] if every_copy else found[i][:1])]
 
@@ -540,13 +542,26 @@ def unsupported_config(config) -> str | None:
     text = _text_config(config)
     if getattr(config, "is_encoder_decoder", False):
         return _ENCODER_DECODER
-    return _per_layer_geometry(text) or _state_layers(text) or _kv_geometry(text)
+    return _cross_attention(text) or _per_layer_geometry(text) or _state_layers(text) or _kv_geometry(text)
+
+
+def _cross_attention(text) -> str | None:
+    """Cross-attention layers the config tells of (Mllama's ``cross_attention_layers``, ``add_cross_attention``;
+    TrOCR's causal LM always has them)."""
+    layers = getattr(text, "cross_attention_layers", None)
+    if isinstance(layers, (list, tuple)) and layers:
+        return f"its layers {list(layers)} have cross-attention (cross_attention_layers in its config)"
+    if getattr(text, "add_cross_attention", False) is True:
+        return "its layers have cross-attention (add_cross_attention=True in its config)"
+    if getattr(text, "model_type", None) == "trocr":
+        return "its layers have cross-attention (TrOCR's decoder attends to an image encoder's states)"
+    return None
 
 
 _ENCODER_DECODER = "an encoder-decoder model (its decoder attends to the encoder's states)"
 # the fields that list each layer's kind, and the kinds that keep a state that is no K/V cache
 _LAYER_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types")
-_STATE_KINDS = ("mamba", "conv", "linear", "recurrent", "hybrid", "ssm", "rwkv", "deltanet")
+_STATE_KINDS = ("mamba", "conv", "linear", "recurrent", "hybrid", "ssm", "rwkv", "deltanet", "compress")
 
 
 def _text_config(config):
@@ -728,27 +743,69 @@ class _WeightsVersion:
     - the forward hooks and pre-hooks on its modules and the global ones (activation steering, ablations, probes);
     - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales).
 
-    Writes into ``param.data`` in place bypass the counters, and tensors offloaded to disk or CPU by a
-    ``device_map`` are not watched.
+    Inference tensors (a model made under ``torch.inference_mode()``) keep no counter: their sums are compared
+    instead, a read of them per call. The packed weights of torch's quantized modules count by identity. Writes
+    into ``param.data`` in place bypass the counters, and tensors offloaded to disk or CPU by a ``device_map`` are
+    not watched.
     """
 
     def __init__(self, model: torch.nn.Module):
         _watch_optimizer_steps()
         tensors = _local_tensors(model)
         self.version = _version_sum(tensors) + _optimizer_steps_of(model)
-        self.storages = [weakref.ref(t.untyped_storage()) for t in tensors]
+        self.sums = _inference_sums(tensors)
+        self.storages = [weakref.ref(_storage_of(t)) for t in tensors]
+        self.packed = [weakref.ref(obj) for obj in _packed_params(model).values()]
         self.behaviour = _behaviour(model)
         self.config = _config_digest(model)
 
     def matches(self, model: torch.nn.Module) -> bool:
         tensors = _local_tensors(model)
+        packed = list(_packed_params(model).values())
         return (
             len(tensors) == len(self.storages)
             and _version_sum(tensors) + _optimizer_steps_of(model) == self.version
-            and all(ref() is t.untyped_storage() for ref, t in zip(self.storages, tensors))
+            and all(ref() is _storage_of(t) for ref, t in zip(self.storages, tensors))
+            and len(packed) == len(self.packed) and all(ref() is obj for ref, obj in zip(self.packed, packed))
             and _behaviour(model) == self.behaviour
             and _config_digest(model) == self.config
+            and _inference_sums(tensors) == self.sums
         )
+
+
+def _storage_of(t: torch.Tensor):
+    """The storage holding ``t``'s values (a sparse tensor's values tensor's: it has none of its own)."""
+    if t.layout == torch.sparse_coo:
+        t = t._values()
+    elif t.layout != torch.strided:
+        t = t.values()
+    return t.untyped_storage()
+
+
+def _packed_params(model: torch.nn.Module) -> dict[str, object]:
+    """The packed weights of torch's quantized modules (``quantize_dynamic``'s Linear and Embedding), by the name of
+    the module holding them: they are neither parameters nor buffers, and ``set_weight_bias`` packs a new object."""
+    found = {}
+    for name, m in model.named_modules():  # the holder (LinearPackedParams) keeps the object as an attribute
+        obj = m.__dict__.get("_packed_params")
+        if isinstance(obj, torch.ScriptObject):
+            found[name] = obj
+    return found
+
+
+def _inference_sums(tensors: list[torch.Tensor]) -> list[float]:
+    """The float64 sum of each inference tensor (a model built under ``torch.inference_mode()``): they keep no
+    version counter, and ``load_state_dict`` inside that mode changes them in place. One reduction per tensor,
+    a read of the weights per call (for such models only), and one copy of the sums to the host."""
+    sums = [torch.sum(t.detach() if t.layout == torch.strided else _storage_values(t), dtype=torch.float64)
+            for t in tensors if t.is_inference() and not t.is_quantized and not t.is_complex()]
+    if not sums:
+        return []
+    return torch.stack([x.cpu() for x in sums]).tolist()
+
+
+def _storage_values(t: torch.Tensor) -> torch.Tensor:
+    return t._values() if t.layout == torch.sparse_coo else t.values()
 
 
 def _config_digest(model: torch.nn.Module) -> str:

@@ -227,6 +227,38 @@ def test_generate_from_several_threads():
     assert torch.equal(model.generate(batches[0][0], attention_mask=batches[0][1], **kw), refs[0])
 
 
+@pytest.mark.parametrize("with_pool", [False, True])
+def test_patch_of_one_model_from_two_threads_at_once_installs_once(with_pool):
+    # both threads found the model unpatched and installed their wrappers, the second over the first: generate()
+    # then ran a wrapper inside a wrapper, and unpatch() left the outer one on the model
+    ids, mask = left_padded_batch([6, 4], seed=2)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=5)
+    for attempt in range(4):
+        model = tiny_model("llama", seed=attempt)
+        ref = model.generate(ids, **kw)
+        pool = PagePool.from_model(model, max_tokens=256, page_size=4) if with_pool else None
+        barrier, errors = threading.Barrier(2), []
+
+        def work():
+            try:
+                barrier.wait()
+                astrai_hf.patch(model, pool=pool) if with_pool else astrai_hf.patch(model, max_tokens=256)
+            except Exception as e:  # recorded, checked below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert _used(model) == 0
+        astrai_hf.unpatch(model)
+        assert not astrai_hf.is_patched(model)
+        assert not {"forward", "generate", "__deepcopy__", "__reduce_ex__"} & set(model.__dict__)
+
+
 @pytest.mark.parametrize("b_patched", ["before", "in its thread"])
 def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other(b_patched):
     # the pool's prefix cache belongs to one model at a time: a call of the other model between two steps of a

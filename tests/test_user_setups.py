@@ -472,6 +472,24 @@ def test_a_model_built_under_inference_mode_can_be_patched():
         assert s["prefix_hit_tokens"] > 0 and s["num_used_pages"] == 0
 
 
+def test_weights_loaded_in_place_under_inference_mode_empty_the_prefix_cache():
+    # inference tensors keep no version counter, and load_state_dict() inside inference_mode() writes them in place:
+    # the prefix cache had served the old weights' K/V
+    ids, mask = left_padded_batch([20, 12], seed=1)
+    with torch.inference_mode():
+        model, other = tiny_model("llama"), tiny_model("llama", seed=5)
+        want = other.generate(ids, attention_mask=mask, **GREEDY)
+        with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+            pool = astrai_hf.get_pool(model)
+            model.generate(ids, attention_mask=mask, **GREEDY)
+            model.load_state_dict(other.state_dict())
+            hits = pool.stats()["prefix_hit_tokens"]
+            assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), want)
+            assert pool.stats()["prefix_hit_tokens"] == hits
+            model.generate(ids, attention_mask=mask, **GREEDY)  # unchanged weights: the prefix cache serves again
+            assert pool.stats()["prefix_hit_tokens"] > hits
+
+
 def test_overriding_the_models_cache_implementation_adds_no_generation_argument():
     import logging
 
