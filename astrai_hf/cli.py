@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt", help="the user message, put into the model's chat template")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="most new tokens (default 128)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    run = sub.add_parser("run", help="run an unmodified Python script with every generate() patched (zero-code)")
+    # --model is parsed for run too, to say that it does not apply (not to take the model id for the script)
+    run = sub.add_parser("run", parents=[with_model],
+                         help="run an unmodified Python script with every generate() patched (zero-code)")
     run.add_argument("--max-tokens", type=_positive_int, default=None, help="token capacity of each model's pool")
     run.add_argument("--page-size", type=_positive_int, default=None, help="tokens per page")
     run.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
@@ -64,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                             "(default: all three)")
     bench.add_argument("--repeats", type=_positive_int, default=3,
                        help="repeats of the prefill suite, whose table gives medians and paired ratios (default 3)")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's own parser, whose usage lists the options it takes
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "run":
         if args.model is not None:
             print("astrai-hf: --model does not apply to run: the script loads its own models", file=sys.stderr)

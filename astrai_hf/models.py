@@ -94,6 +94,7 @@ def embedded_model_path() -> Path:
     """
     target = cache_dir() / EMBEDDED_MODEL
     if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+        _pad_on_the_left(target / "tokenizer_config.json")
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,12 +119,27 @@ def embedded_model_path() -> Path:
         tmp = target.with_name(target.name + ".partial")
         model.save_pretrained(tmp)
         tokenizer.padding_side = "left"  # what generate() needs; saved, so any loader of the folder gets it
+        tokenizer.init_kwargs["padding_side"] = "left"  # save_pretrained writes the init kwargs, not the attribute
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.save_pretrained(tmp)
         tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
         bar.update()
     return target
+
+
+def _pad_on_the_left(tokenizer_config: Path) -> None:
+    """Write ``padding_side: "left"`` into a converted copy's ``tokenizer_config.json`` that lacks it (copies made
+    by earlier releases loaded padding on the right)."""
+    import json
+
+    settings = json.loads(tokenizer_config.read_text())
+    if settings.get("padding_side") == "left":
+        return
+    settings["padding_side"] = "left"
+    tmp = tokenizer_config.with_name(tokenizer_config.name + ".partial")
+    tmp.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    tmp.replace(tokenizer_config)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

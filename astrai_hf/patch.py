@@ -149,6 +149,7 @@ def patch(
         cuda_graphs = as_flag("cuda_graphs", cuda_graphs)
     if pool is not None and not isinstance(pool, PagePool):
         raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}: {pool!r}")
+    _check_pool_kwargs(pool_kwargs)
     given, model = model, _underlying(_as_module("patch()", model))
     state = getattr(model, _STATE_ATTR, None)
     if state is None and not callable(getattr(model, "generate", None)):
@@ -190,6 +191,15 @@ def patch(
 # held while patch() installs its wrappers on a model or unpatch() takes them off (never while waiting for a call):
 # two threads patching one model at once install once, and the second applies its settings to that patch
 _INSTALL_LOCK = threading.RLock()
+
+
+def _check_pool_kwargs(pool_kwargs: dict) -> None:
+    """Raise TypeError naming an argument of patch() that is none of its own or of the pool's sizing."""
+    sizing = [n for n in inspect.signature(PagePool.__init__).parameters if n not in ("self", "config")]
+    unknown = sorted(set(pool_kwargs) - set(sizing))
+    if unknown:
+        raise TypeError(f"patch() got an unexpected keyword argument {unknown[0]!r}; it takes pack_prefill, "
+                        f"prefill_chunk_tokens, cuda_graphs and the pool's {', '.join(sizing)}")
 
 
 def _repatch(model, state: PatchState, pool: PagePool | None, own_pool_kwargs: dict | None, pack_prefill: bool,

@@ -101,11 +101,24 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_the_model_load
     assert err.count("\n") == 1 and any(w in err for w in ("cannot make the folder", "is a folder", ".png")), err
 
 
-def test_model_before_run_is_refused_not_ignored(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["before run", "after run"])
+def test_model_with_run_is_refused_not_ignored(where, tmp_path, capsys):
+    # after run, argparse had taken the model id for the script and named --model alone as unrecognized
     script = tmp_path / "s.py"
     script.write_text("raise SystemExit(7)\n")
-    assert main(["--model", "some/folder", "run", str(script)]) == 2
+    argv = ["--model", "some/folder", "run", str(script)] if where == "before run" else [
+        "run", "--model", "some/folder", str(script)]
+    assert main(argv) == 2
     assert "--model does not apply to run" in capsys.readouterr().err
+
+
+def test_an_unknown_option_is_named_with_the_commands_own_usage(capsys):
+    # the top-level usage had been shown, which lists none of generate's options
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--max-tokens", "5"])
+    err = capsys.readouterr().err
+    assert "usage: astrai-hf generate" in err and "--max-new-tokens" in err
+    assert "unrecognized arguments: --max-tokens 5" in err
 
 
 def test_a_first_line_that_ends_in_a_colon_keeps_what_follows():

@@ -59,3 +59,27 @@ def test_cli_generate_answers(smollm, capsys):
 
     assert main(["generate", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_the_converted_folder_loads_padding_on_the_left(smollm, tmp_path, monkeypatch):
+    # save_pretrained writes a tokenizer's init kwargs, not its padding_side attribute: the folder had loaded
+    # padding on the right, so a plain from_pretrained() script got a batch a patched generate() refuses
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from astrai_hf.models import EMBEDDED_MODEL, embedded_model_path
+
+    folder = embedded_model_path()
+    assert AutoTokenizer.from_pretrained(folder).padding_side == "left"
+    old = tmp_path / EMBEDDED_MODEL  # a copy an earlier release converted, without padding_side
+    old.mkdir()
+    for f in folder.iterdir():
+        (old / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, old / f.name)
+    settings = json.loads((old / "tokenizer_config.json").read_text())
+    settings.pop("padding_side", None)
+    (old / "tokenizer_config.json").write_text(json.dumps(settings))
+    monkeypatch.setenv("ASTRAI_HF_CACHE", str(tmp_path))
+    assert embedded_model_path() == old
+    assert AutoTokenizer.from_pretrained(old).padding_side == "left"

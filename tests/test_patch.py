@@ -120,6 +120,8 @@ def test_bad_arguments_are_named():
         astrai_hf.patch(model, max_tokens=256, cuda_graphs=1)
     with pytest.raises(TypeError, match="prefix_cache must be True or False, got 'no'"):
         PagePool.from_model(model, max_tokens=256, prefix_cache="no")
+    with pytest.raises(TypeError, match=r"^patch\(\) got an unexpected keyword argument 'max_token'; .* max_tokens"):
+        astrai_hf.patch(model, max_token=256)  # had been named an argument of PagePool.__init__()
     pool = PagePool.from_model(model, max_tokens=256)
     with pytest.raises(TypeError, match="prefix_cache must be True or False"):
         astrai_hf.PagedCache(pool, prefix_cache=0)
