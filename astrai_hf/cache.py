@@ -165,6 +165,8 @@ class PagedCache(Cache):
     verifies_candidates = False  # set by a patched generate() running prompt lookup or assisted decoding
     made_by_generate = False  # set on the cache a patched generate() makes for itself (and releases)
     returned_by_generate = False  # set when that generate() has returned: the cache is released for good
+    # (sequences [B, L], mask [B, L]): the tokens a stock cache would hold after that generate(), see patch.py
+    held_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     is_croppable = True
 
     def __init__(
@@ -1111,6 +1113,7 @@ class PagedCache(Cache):
         memo[id(self)] = twin
         if self.returned_by_generate:  # the released cache a patched generate() returned: so is its copy
             twin.made_by_generate = twin.returned_by_generate = True
+            twin.held_tokens = self.held_tokens
         for name in ("stock_attention", "verifies_candidates"):
             if name in self.__dict__:
                 setattr(twin, name, self.__dict__[name])

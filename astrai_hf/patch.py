@@ -1043,8 +1043,11 @@ def _wrap_generate(owner, generate, state: PatchState):
             # the released cache an earlier patched call returned (transformers' multi-turn recipe passes
             # out.past_key_values back): empty, so this call runs as with no cache, and the prefix cache serves
             # what the earlier call computed
+            held = given.held_tokens
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
+            if held is not None and _continues_other_tokens(held, args, kwargs, config):
+                return _continue_held_tokens(model, held, args, kwargs)
         if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
                 kwargs, config) or (model.training and dropout_active(model)) or _own_attention(state) is not None):
             # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
@@ -1111,12 +1114,92 @@ def _wrap_generate(owner, generate, state: PatchState):
         if cache.prefilled_from_prefix_cache:
             forget_rope_deltas(model)
         try:
-            return generate(*args, **{**kwargs, state.cache_kwarg: cache})
+            out = generate(*args, **{**kwargs, state.cache_kwarg: cache})
+            _note_held_tokens(cache, out, args, kwargs, config)
+            return out
         finally:
             cache.release()
             cache.returned_by_generate = True
 
+    def _continue_held_tokens(model, held, args, kwargs):
+        """generate() on the cache an earlier call returned, with a prompt whose first columns hold other tokens
+        than that call's sequences (a chat template that tokenizes an answer otherwise): stock's cache still holds
+        the earlier K/V and computes only the columns after them, so this call does too. A cache of its own is
+        filled with the earlier call's tokens (from the prefix cache, the rest computed), then handed to
+        generate() as a caller's cache; its pages go to the prefix cache when the call ends."""
+        held_ids, held_mask = held
+        cache = PagedCache(state.pool, held_ids, held_mask, model=model)
+        try:
+            start = cache.get_seq_length()
+            positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
+            model(input_ids=held_ids[:, start:], attention_mask=held_mask, position_ids=positions[:, start:],
+                  use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
+            config = _GenerationSettings(kwargs.get("generation_config") or (args[1] if len(args) > 1 else None),
+                                         model.generation_config)
+            out = _paged_generate(model, *args, **{**kwargs, state.cache_kwarg: cache})
+            _note_held_tokens(cache, out, args, kwargs, config, computed_from=held_ids)
+            return out
+        finally:
+            cache.release()
+            cache.made_by_generate = cache.returned_by_generate = True
+
     return paged_generate
+
+
+def _prompt_and_mask(args: tuple, kwargs: dict, config):
+    """A generate() call's ``input_ids`` [B, T] and its mask (the one passed, else the one generate() implies), or
+    None when the call is fed otherwise (``inputs_embeds``)."""
+    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point()
+            or kwargs.get("inputs_embeds") is not None):
+        return None
+    mask = kwargs.get("attention_mask")
+    mask = _implied_mask(input_ids, kwargs, config) if mask is None else mask
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+        return None
+    return input_ids, mask
+
+
+def _note_held_tokens(cache: PagedCache, out, args: tuple, kwargs: dict, config,
+                      computed_from: torch.Tensor | None = None) -> None:
+    """Record on the cache a patched generate() made the tokens and mask a stock cache would hold after the call,
+    ``(sequences[:, :L], mask [B, L])`` with ``L = cache.logical_len``, for :func:`_continues_other_tokens`;
+    ``computed_from`` [B, L0]: the tokens its first ``L0`` columns were computed from, when not the prompt's.
+    Left unset for calls whose cache rows are not the returned sequences (beams, several samples per prompt,
+    candidate decoding)."""
+    sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    prompt = _prompt_and_mask(args, kwargs, config)
+    if (sequences is None or prompt is None or _candidate_decoding(kwargs, config)
+            or (_get(kwargs, config, "num_beams") or 1) != 1 or (_get(kwargs, config, "num_return_sequences") or 1) != 1):
+        return
+    input_ids, mask = prompt
+    B, T = input_ids.shape
+    L = cache.logical_len
+    if sequences.shape[0] != B or not T <= L < sequences.shape[1] or cache.batch_size != B:
+        return
+    grown = torch.ones(B, L - T, dtype=mask.dtype, device=mask.device)
+    tokens = sequences[:, :L].clone()
+    if computed_from is not None:
+        tokens[:, : computed_from.shape[1]] = computed_from.to(tokens.device)
+    cache.held_tokens = (tokens, torch.cat([mask, grown], dim=1))
+
+
+def _continues_other_tokens(held, args: tuple, kwargs: dict, config) -> bool:
+    """Whether a call given the cache an earlier patched call returned has a prompt that is longer than the
+    tokens that cache held, with the same mask over them, but other tokens at some unmasked column."""
+    prompt = _prompt_and_mask(args, kwargs, config)
+    if prompt is None or _candidate_decoding(kwargs, config) or kwargs.get("use_cache", config.use_cache) is False:
+        return False
+    if (_get(kwargs, config, "num_beams") or 1) != 1 or (_get(kwargs, config, "num_return_sequences") or 1) != 1:
+        return False
+    (input_ids, mask), (held_ids, held_mask) = prompt, held
+    B, L = held_ids.shape
+    if input_ids.shape[0] != B or input_ids.shape[1] <= L:
+        return False
+    mask, held_mask = mask[:, :L].to(held_mask.device).bool(), held_mask.bool()
+    if not torch.equal(mask, held_mask):
+        return False
+    return bool(((input_ids[:, :L].to(held_ids.device) != held_ids) & held_mask).any())
 
 
 # attention implementations paged attention stands in for: transformers' own (looked up in its registry, and

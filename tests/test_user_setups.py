@@ -387,6 +387,38 @@ def test_the_multi_turn_recipe_passing_the_returned_cache_back_leaves_nothing_us
         assert s["num_used_pages"] == 0 and s["prefix_hit_tokens"] > 0  # the second turn reused the first
 
 
+@pytest.mark.parametrize("edit", ["a prompt token", "a generated token", "nothing"])
+def test_the_returned_cache_passed_back_with_other_tokens_in_its_columns_gives_stocks_tokens(edit):
+    # a chat template tokenizes the earlier answer otherwise than it was generated: stock's returned cache still
+    # holds the K/V of the tokens it computed and uses them for those columns; the patched call had computed the
+    # new prompt's tokens afresh (other tokens)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 7], seed=1)
+    more = torch.randint(3, 96, (2, 4), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    column = {"a prompt token": 6, "a generated token": 14, "nothing": None}[edit]
+
+    def turns():
+        out, m, scores = model.generate(ids, attention_mask=mask, **kw), mask, []
+        for _ in range(2):
+            seq = torch.cat([out.sequences, more], 1)
+            if column is not None:
+                seq[0, column] = (seq[0, column] + 1) % 96
+            m = torch.cat([m, torch.ones(2, seq.shape[1] - m.shape[1], dtype=m.dtype)], 1)
+            out = model.generate(seq, attention_mask=m, past_key_values=out.past_key_values, **kw)
+            scores.append(torch.stack(out.scores))
+        return out.sequences, scores
+
+    ref, ref_scores = turns()
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        got, scores = turns()
+        assert torch.equal(got, ref)
+        for a, b in zip(scores, ref_scores):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        s = astrai_hf.get_pool(model).stats()
+        assert s["num_used_pages"] == 0 and s["prefix_hit_tokens"] > 0
+
+
 def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_chunks():
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 
