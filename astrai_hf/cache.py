@@ -16,6 +16,16 @@ from .metadata import StepMetadata, rect_slots
 from .pool import PagePool
 from .storage import gather_kv
 
+
+def _positive_crop_refused() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 18)
+
+
+_POSITIVE_CROP_REFUSED = _positive_crop_refused()  # DynamicCache.crop(n > 0) raises from transformers 5.18 on
+
 logger = logging.getLogger(__name__)
 
 
@@ -1059,9 +1069,17 @@ class PagedCache(Cache):
         pool.req_to_token.free(old_rows[len(idx):])
 
     def crop(self, max_length: int) -> None:
-        """Drop the last ``-max_length`` columns (transformers 5.x: a count <= 0); a positive value keeps that
-        many columns (transformers 4.x meaning)."""
+        """Drop the last ``-max_length`` columns (a count <= 0). A positive value keeps that many columns where the
+        installed transformers' ``DynamicCache.crop`` still takes one (before 5.18, deprecated there).
+
+        Raises:
+            ValueError: a positive value on transformers 5.18 or later, as ``DynamicCache.crop`` raises.
+        """
         max_length = as_int("crop(max_length)", max_length)
+        if max_length > 0 and _POSITIVE_CROP_REFUSED:
+            raise ValueError(f"crop({max_length}): a positive value (the length to keep) is not supported by "
+                             "transformers 5.18 and later; pass minus the number of columns to drop, as "
+                             "DynamicCache.crop takes it")
         self._step, self._pending_known = None, None
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)
         if keep >= self.logical_len:

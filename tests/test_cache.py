@@ -233,6 +233,27 @@ def test_row_operations_share_pages(llama):
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
 
 
+def test_crop_with_a_positive_length_does_what_dynamic_cache_does(llama):
+    # PagedCache had kept that many columns where transformers 5.24's DynamicCache.crop raises
+    from transformers import DynamicCache
+
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    ids, mask = left_padded_batch([6, 3])
+    caches = [DynamicCache(), PagedCache(pool, ids, mask)]
+    for cache in caches:
+        llama(input_ids=ids, attention_mask=mask, **{_kw(llama): cache})
+    try:
+        caches[0].crop(4)
+    except ValueError:  # transformers 5.18 and later
+        with pytest.raises(ValueError, match="crop\\(4\\): a positive value"):
+            caches[1].crop(4)
+    else:
+        caches[1].crop(4)
+    assert caches[1].get_seq_length() == caches[0].get_seq_length()
+    caches[1].release()
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_cache_continues_across_forward_calls(llama):
     """A pre-filled cache, then generate() on the full prompt: only the rest is prefilled."""
     ids, mask = left_padded_batch([9, 5], seed=5)
