@@ -716,15 +716,15 @@ class PagedCache(Cache):
         return cow
 
     def _take_over_cow_pages(self, prev: list[int], seq: list[int]) -> bool:
-        """Unindex from the prefix cache the partly used pages that only this step's rows and the cache hold (and
-        that have no cached continuation), so that the last row appends into each in place. Returns whether any
-        page was taken over."""
+        """Unindex from the prefix cache the partly used pages that only this step's rows and the cache hold (with
+        their cached continuations, see :meth:`PrefixCache.give_up`), so that the last row appends into each in
+        place. Returns whether any page was taken over."""
         cache, alloc = self.pool.prefix_cache, self.pool.allocator
         if cache is None:
             return False
         taken = False
         for page, holders in self._cow_pages(prev, seq).items():
-            if alloc.ref_count(page) == len(holders) + 1 and cache.give_up_leaf(page):
+            if alloc.ref_count(page) == len(holders) + 1 and cache.give_up(page):
                 taken = True
         if taken:
             logger.debug("KV pool full: took partly used prefix pages over from the prefix cache instead of copying")

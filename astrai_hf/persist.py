@@ -197,6 +197,11 @@ def fingerprint(pool, model: torch.nn.Module) -> dict[str, str | int]:
 
 def _model_for(pool, model):
     model = model if model is not None else pool.model
+    if model is None and pool._model_ref is not None:
+        raise ValueError(
+            "the model this PagePool was bound to no longer exists (a pool holds its model weakly), so pass "
+            "model=... to check the prefix cache against"
+        )
     if model is None:
         raise ValueError(
             "this PagePool is not bound to a model (build it with PagePool.from_model or patch a model with it), "

@@ -238,12 +238,23 @@ class PrefixCache:
             logger.debug("prefix cache: evicted %d pages (%d wanted)", freed, num_pages)
         return freed
 
-    def give_up_leaf(self, page: int) -> bool:
-        """Unindex ``page`` if the cache holds it as a leaf, dropping the cache's reference: a row that holds the
-        page's other references can then append into it in place instead of copying it. Returns whether it did."""
+    def give_up(self, page: int) -> bool:
+        """Unindex ``page`` and its cached continuations, dropping the cache's references: a row that holds the
+        page's other references can then append into it in place instead of copying it. The continuations follow
+        the page's present tokens, which that row overwrites, so they go too; it does so only when the cache alone
+        holds each of them. Returns whether it did."""
         node = self._by_page.get(page)
-        if node is None or node.children:
+        if node is None:
             return False
+        below, stack = [], list(node.children)
+        while stack:
+            child = stack.pop()
+            below.append(child)
+            stack.extend(child.children)
+        if any(self.allocator.ref_count(n.page) != 1 for n in below):
+            return False
+        for n in reversed(below):  # children after their parents in `below`: remove them first
+            self._remove(n)
         self._remove(node)
         return True
 

@@ -339,6 +339,35 @@ def test_a_call_that_fits_a_cold_pool_fits_a_warm_one(llama, page_size, pages, l
         _assert_pool_idle(pool)
 
 
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(num_beams=2, do_sample=False)])
+def test_a_call_that_fits_a_cold_pool_fits_one_warmed_by_a_shorter_prompt(llama, mode):
+    # the page the prompt partly reuses has a cached continuation (the earlier call's generated tokens): it had
+    # not been taken over, and the call raised CacheFullError on every try until the prefix cache was cleared
+    prompt = _tokens(5, seed=41)
+    ids, mask = _batch([prompt])
+    kw = dict(max_new_tokens=1, **mode)
+    ref = llama.generate(ids, attention_mask=mask, **kw)
+    pages = next(n for n in range(1, 9) if _fits(llama, n, ids, mask, kw))
+    pool = _tight_pool(llama, pages)
+    short, short_mask = _batch([prompt[:3]])
+    _generate(llama, pool, short, short_mask, max_new_tokens=3, do_sample=False)  # 3 + 3 tokens: two cached pages
+    assert pool.stats()["num_cached_pages"] == 2
+    assert torch.equal(_generate(llama, pool, ids, mask, **kw), ref)
+    _assert_pool_idle(pool)
+
+
+def _tight_pool(model, pages):
+    return PagePool.from_model(model, max_tokens=4 * pages, page_size=4, max_seq_len=64)
+
+
+def _fits(model, pages, ids, mask, kw) -> bool:
+    try:
+        _generate(model, _tight_pool(model, pages), ids, mask, **kw)
+        return True
+    except CacheFullError:
+        return False
+
+
 def test_a_cached_page_under_a_held_page_is_not_counted_evictable(llama):
     # a cache keeps the tail page of a sequence the prefix cache indexes under a page it alone holds: eviction
     # takes leaves, so that page cannot be freed while the cache lives
@@ -529,6 +558,16 @@ def test_save_and_load_name_a_bad_path(llama, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="junk.safetensors is not an astrai-hf prefix cache: not a readable"):
         pool.load_prefix_cache(junk)
     assert pool.save_prefix_cache("p.safetensors") == 3  # a plain str, relative to the working folder
+
+
+def test_a_pool_whose_model_is_gone_says_so_on_save(tmp_path):
+    # it had said the pool was "not bound to a model (build it with PagePool.from_model ...)", as it was built
+    pool = PagePool.from_model(tiny_model("llama"), max_tokens=64, page_size=4)  # the model is freed at once
+    with pytest.raises(ValueError, match="the model this PagePool was bound to no longer exists"):
+        pool.save_prefix_cache(tmp_path / "p.safetensors")
+    fresh = PagePool(tiny_model("llama").config, max_tokens=64, page_size=4)
+    with pytest.raises(ValueError, match="not bound to a model"):
+        fresh.save_prefix_cache(tmp_path / "p.safetensors")
 
 
 def test_load_refuses_another_model_or_page_size(llama, tmp_path):
