@@ -37,6 +37,9 @@ class PatchState:
     cache_kwarg: str
     attn_configs: list
     saved_attrs: dict = field(default_factory=dict)
+    install_token: object = None  # new per _install(): wrappers of an earlier install (or after unpatch) pass through
+    # the forward and generate _install() put on the model, held weakly (they close over this state)
+    wrappers: dict = field(default_factory=dict)
     family_undo: list = field(default_factory=list)
     step: StepMetadata | None = None
     step_pool: PagePool | None = None
@@ -74,21 +77,30 @@ def _one_call(state: PatchState, pool: PagePool | None = None, *also) -> Iterato
     consumer) do not hang. ``also``: further (state, pool) pairs the call will use (an assistant model's), whose
     locks are taken with these, in the order of :func:`_call_locks`."""
     with contextlib.ExitStack() as stack:
-        for lock in _call_locks(state, pool, *also):
-            stack.enter_context(lock)
+        while True:
+            locks, own = _call_locks(state, pool, *also)
+            for lock in locks:
+                stack.enter_context(lock)
+            if all(s.pool is p for s, p in own):
+                break
+            # patch() swapped a model's pool while this call waited: the lock taken is the old pool's
+            stack.close()
         yield
 
 
-def _call_locks(*items) -> list:
+def _call_locks(*items) -> tuple[list, list]:
     """The locks a call takes (``items``: patch states, each followed by the pool its call uses or None for its
     own), in one order for every thread (by id), so that calls taking several, a generate() and its assistant's,
-    never wait on each other in a cycle."""
-    locks = {}
+    never wait on each other in a cycle; and the (state, pool) pairs read from a state, which the caller checks
+    once it holds the locks."""
+    locks, own = {}, []
     for state, pool in zip(items[::2], items[1::2]):
-        pool = state.pool if pool is None else pool
+        if pool is None:
+            pool = state.pool
+            own.append((state, pool))
         locks[id(state.lock)] = state.lock
         locks[id(pool.call_lock)] = pool.call_lock
-    return [locks[k] for k in sorted(locks)]
+    return [locks[k] for k in sorted(locks)], own
 
 
 def patch(
@@ -315,8 +327,12 @@ def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
     try:
         state.family_undo = patches.apply(model, modules)
         _attach_modules(model, state, modules)
+        state.install_token = object()
+        replaces = model.__dict__.get("forward")
         model.forward = _wrap_forward(model, model.forward, state)
+        model.forward.astrai_hf_replaces = replaces  # accelerate's forward on the instance, say (or None)
         model.generate = _wrap_generate(model, model.generate, state)
+        state.wrappers = {"forward": weakref.ref(model.forward), "generate": weakref.ref(model.generate)}
         model.__deepcopy__ = _OnInstance(_deepcopy_patched, model, state)
         model.__reduce_ex__ = _OnInstance(_reduce_unpatched, model, state)
         setattr(model, _STATE_ATTR, state)
@@ -392,7 +408,13 @@ def _reduce_unpatched(obj: torch.nn.Module, state: PatchState | None, protocol: 
 def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
     """Take everything :func:`_install` put on ``model`` off again (``state`` itself is left as it is)."""
     model.__dict__.pop(_STATE_ATTR, None)
+    state.install_token = None
     for name in _INSTALLED:
+        current = model.__dict__.get(name)
+        if name in state.wrappers and current is not None and current is not state.wrappers[name]():
+            # replaced after patch() (an accelerate hook added, or removed with the forward it had put there): that
+            # one stays; a wrapper of ours it calls passes through from now on
+            continue
         if name in state.saved_attrs:
             setattr(model, name, state.saved_attrs[name])
         else:
@@ -616,12 +638,12 @@ def own_attention_mask(cls: type) -> str | None:
                              and node.value.id in params)
                     for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
                     for t in ast.walk(target) if isinstance(t, ast.Name)}
-        var_kw = fn.args.kwarg.arg if fn.args.kwarg is not None else None
-        mask_in_dicts = _writes_key(fn, "attention_mask")
-        if "attention_mask" in params and "attention_mask" not in assigned and _changes_in_place(fn, "attention_mask"):
+        if "attention_mask" in params and "attention_mask" not in assigned and _changes_in_place(
+                fn, _aliases(fn, "attention_mask")):
             return "attention_mask, changed in place"
         for call in calls:
-            if mask_in_dicts and any(k.arg is None for k in call.keywords):
+            handed = [k.value for k in call.keywords if k.arg is None]  # what the call gets as **mapping
+            if handed and _writes_key(fn, handed, "attention_mask"):
                 return "an attention_mask put into the **kwargs handed on"
             if _is_super_forward(call):  # the mask handed on to the parent's forward
                 mask = next((k.value for k in call.keywords if k.arg == "attention_mask"), None)
@@ -638,41 +660,73 @@ def own_attention_mask(cls: type) -> str | None:
     return None
 
 
-def _writes_key(fn: ast.AST, key: str) -> bool:
-    """Whether ``fn`` puts ``key`` into a dict: ``d[key] = ...``, a literal ``{key: ...}`` (``{**kwargs, key: m}``,
-    ``kwargs |= {key: m}``), ``dict(kwargs, key=...)``, ``d.update(key=...)`` or ``d.setdefault(key, ...)``.
-    Reads (``kwargs.get(key)``, ``kwargs[key]``) do not count."""
-    for node in ast.walk(fn):
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if (isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)
-                        and target.slice.value == key):
-                    return True
-        if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == key for k in node.keys):
-            return True
-        if not isinstance(node, ast.Call):
-            continue
-        if isinstance(node.func, ast.Name) and node.func.id == "dict" and any(k.arg == key for k in node.keywords):
-            return True
-        if isinstance(node.func, ast.Attribute) and node.func.attr in ("update", "setdefault", "__setitem__"):
-            if any(k.arg == key for k in node.keywords):
+def _writes_key(fn: ast.AST, handed: list[ast.expr], key: str) -> bool:
+    """Whether ``fn`` puts ``key`` into a mapping it hands on as ``**handed``: a literal ``{**kwargs, key: m}`` or
+    ``dict(kwargs, key=m)`` there, or, for a name handed on (and the names whose values flow into it: ``new =
+    dict(kwargs)``), ``name[key] = ...``, ``name.update(...)`` / ``name.setdefault(...)`` naming it, ``name |=
+    {key: ...}``, or such a literal assigned to it. ``key`` may be spelt through a name bound to it. Reads
+    (``kwargs.get(key)``) and other dicts (a log record, a probe's) do not count."""
+    spelt = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+             and node.value.value == key for t in node.targets if isinstance(t, ast.Name)}
+
+    def is_key(node) -> bool:
+        return (isinstance(node, ast.Constant) and node.value == key) or (isinstance(node, ast.Name) and node.id in spelt)
+
+    def builds_key(expr) -> bool:  # a dict literal or dict(...) call with the key, anywhere in expr
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Dict) and any(k is not None and is_key(k) for k in node.keys):
                 return True
-            first = node.args[0] if node.args else None
-            if isinstance(first, ast.Constant) and first.value == key:
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict"
+                    and any(k.arg == key for k in node.keywords)):
+                return True
+        return False
+
+    if any(builds_key(expr) for expr in handed if not isinstance(expr, ast.Name)):
+        return True
+    names = {expr.id for expr in handed if isinstance(expr, ast.Name)}
+    assigns = [n for n in ast.walk(fn) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and n.value]
+    while True:  # the names whose values flow into a name handed on
+        more = {v.id for n in assigns for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Name) and t.id in names for v in ast.walk(n.value) if isinstance(v, ast.Name)}
+        if more <= names:
+            break
+        names |= more
+    for node in assigns:
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id in names:
+                if is_key(target.slice):
+                    return True
+            elif isinstance(target, ast.Name) and target.id in names and builds_key(node.value):
+                return True
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in names and node.func.attr in ("update", "setdefault", "__setitem__")):
+            if any(k.arg == key for k in node.keywords) or any(is_key(n) for a in node.args for n in ast.walk(a)):
                 return True
     return False
 
 
-def _changes_in_place(fn: ast.AST, name: str) -> bool:
-    """Whether ``fn`` writes into the tensor ``name`` in place: an in-place method (``name.masked_fill_(...)``,
-    ``name.add_(...)``) or an item assignment (``name[...] = ...``)."""
+def _aliases(fn: ast.AST, name: str) -> set[str]:
+    """``name`` and the names ``fn`` binds to it as it is (``m = attention_mask``)."""
+    names = {name}
+    while True:
+        more = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name)
+                and node.value.id in names for t in node.targets if isinstance(t, ast.Name)}
+        if more <= names:
+            return names
+        names |= more
+
+
+def _changes_in_place(fn: ast.AST, names: set[str]) -> bool:
+    """Whether ``fn`` writes into one of the tensors ``names`` in place: an in-place method
+    (``mask.masked_fill_(...)``, ``mask.add_(...)``) or an item assignment (``mask[...] = ...``)."""
     for node in ast.walk(fn):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == name and node.func.attr.endswith("_") and not node.func.attr.startswith("_")):
+                and node.func.value.id in names and node.func.attr.endswith("_") and not node.func.attr.startswith("_")):
             return True
         if isinstance(node, (ast.Assign, ast.AugAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == name:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id in names:
                     return True
     return False
 
@@ -805,8 +859,12 @@ def _wrap_forward(owner, forward, state: PatchState):
     # position_ids and logits_to_keep. The wrapper holds the model weakly (see PatchState).
     forward, model_ref = _weakly_bound(forward, owner), weakref.ref(owner)
 
+    token = state.install_token
+
     @functools.wraps(forward)
     def paged_forward(*args, **kwargs):
+        if state.install_token is not token:  # unpatched, or patched again: kept only by a wrapper of another's
+            return forward(*args, **kwargs)
         cache = _find_cache(kwargs)
         with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
             return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
@@ -1020,8 +1078,12 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
 def _wrap_generate(owner, generate, state: PatchState):
     generate, model_ref = _weakly_bound(generate, owner), weakref.ref(owner)
 
+    token = state.install_token
+
     @functools.wraps(generate)
     def paged_generate(*args, **kwargs):
+        if state.install_token is not token:  # unpatched, or patched again: kept only by a wrapper of another's
+            return generate(*args, **kwargs)
         given = _find_cache(kwargs)
         assistant = getattr(_underlying(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
             kwargs.get("assistant_model"), torch.nn.Module) else None
@@ -1047,7 +1109,7 @@ def _wrap_generate(owner, generate, state: PatchState):
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
-                return _continue_held_tokens(model, held, args, kwargs)
+                return _continue_held_tokens(model, state, held, args, kwargs)
         if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
                 kwargs, config) or (model.training and dropout_active(model)) or _own_attention(state) is not None):
             # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
@@ -1121,29 +1183,31 @@ def _wrap_generate(owner, generate, state: PatchState):
             cache.release()
             cache.returned_by_generate = True
 
-    def _continue_held_tokens(model, held, args, kwargs):
-        """generate() on the cache an earlier call returned, with a prompt whose first columns hold other tokens
-        than that call's sequences (a chat template that tokenizes an answer otherwise): stock's cache still holds
-        the earlier K/V and computes only the columns after them, so this call does too. A cache of its own is
-        filled with the earlier call's tokens (from the prefix cache, the rest computed), then handed to
-        generate() as a caller's cache; its pages go to the prefix cache when the call ends."""
-        held_ids, held_mask = held
-        cache = PagedCache(state.pool, held_ids, held_mask, model=model)
-        try:
-            start = cache.get_seq_length()
-            positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
-            model(input_ids=held_ids[:, start:], attention_mask=held_mask, position_ids=positions[:, start:],
-                  use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
-            config = _GenerationSettings(kwargs.get("generation_config") or (args[1] if len(args) > 1 else None),
-                                         model.generation_config)
-            out = _paged_generate(model, *args, **{**kwargs, state.cache_kwarg: cache})
-            _note_held_tokens(cache, out, args, kwargs, config, computed_from=held_ids)
-            return out
-        finally:
-            cache.release()
-            cache.made_by_generate = cache.returned_by_generate = True
-
     return paged_generate
+
+
+def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: dict):
+    """generate() on the cache an earlier call returned, with a prompt whose first columns hold other tokens than
+    that call's sequences (a chat template that tokenizes an answer otherwise): stock's cache still holds the
+    earlier K/V and computes only the columns after them, so this call does too. A cache of its own is filled with
+    the earlier call's tokens (from the prefix cache, the rest computed), then handed to the patched generate() as
+    a caller's cache; its pages go to the prefix cache when the call ends. (Module level, calling
+    ``model.generate``: a closure calling the wrapper's own would make a reference cycle.)"""
+    held_ids, held_mask = held
+    cache = PagedCache(state.pool, held_ids, held_mask, model=model)
+    try:
+        start = cache.get_seq_length()
+        positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=held_ids[:, start:], attention_mask=held_mask, position_ids=positions[:, start:],
+              use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
+        config = _GenerationSettings(kwargs.get("generation_config") or (args[1] if len(args) > 1 else None),
+                                     model.generation_config)
+        out = model.generate(*args, **{**kwargs, state.cache_kwarg: cache})
+        _note_held_tokens(cache, out, args, kwargs, config, computed_from=held_ids)
+        return out
+    finally:
+        cache.release()
+        cache.made_by_generate = cache.returned_by_generate = True
 
 
 def _prompt_and_mask(args: tuple, kwargs: dict, config):

@@ -73,7 +73,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
     Buffers count because some set what the layers compute as weights do (RoPE's ``inv_freq``, from the config's
     theta and scaling). A tensor-parallel rank digests its own shards (no communication), so each rank's digest
-    is its own. Tensors offloaded by a ``device_map`` (on ``meta``, no data here) count by name, shape and dtype.
+    is its own. Tensors offloaded by a ``device_map`` (on ``meta`` between forwards) are read where accelerate
+    loads them from (its hooks' weights maps); a ``meta`` tensor nothing loads counts by name, shape and dtype.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(_WEIGHTS_DIGEST.encode())
@@ -81,7 +82,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     for kind, name, p in sorted(named, key=lambda item: (item[0], item[1])):
         h.update(f"{kind}|{name}|{tuple(p.shape)}|{p.dtype}".encode())
         local = p.to_local() if hasattr(p, "to_local") else p  # DTensor under tensor parallelism
-        if local.is_meta or not local.numel():
+        if local.is_meta:  # offloaded by a device_map: its values are where accelerate loads them from
+            local = _offloaded_value(model, name)
+        if local is None or local.is_meta or not local.numel():
             continue
         for part in _plain_parts(local.detach()):
             h.update(_run_sums(part))
@@ -98,6 +101,26 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
                 for part in _plain_parts(t.detach()):
                     h.update(_run_sums(part))
     return h.hexdigest()
+
+
+def _offloaded_value(model: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The values of the tensor ``name`` that an accelerate hook loads for each forward (a layer a ``device_map``
+    offloaded to the CPU or disk keeps it on ``meta``), read from the hook's weights map; None if none holds it."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:cut]))
+        except AttributeError:
+            continue
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            weights = getattr(h, "weights_map", None)
+            if getattr(h, "offload", False) and weights is not None:
+                try:
+                    return torch.as_tensor(weights[".".join(parts[cut:])])
+                except (KeyError, TypeError):
+                    continue
+    return None
 
 
 def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ import itertools
 import logging
 import numbers
 import threading
+import types
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,6 +173,13 @@ class PagePool:
         layers = attention_modules(model)
         if "device" not in kwargs and layers:
             kwargs["device"] = [_module_device(m) for m in layers]
+            meta = [m.layer_idx for m, d in zip(layers, kwargs["device"]) if d.type == "meta" and _hook_device(m) is None]
+            if meta:
+                raise ValueError(
+                    f"{type(model).__name__}: the attention of layers {meta} has its weights on the meta device and no "
+                    "accelerate hook says where it runs, so the pool cannot tell where to keep their K/V; load the "
+                    "weights (or dispatch the model with a device_map), or pass device= to the pool"
+                )
         if "dtype" not in kwargs and layers:
             kwargs["dtype"] = _module_dtype(layers[0])
         if "num_kv_heads" not in kwargs:
@@ -495,7 +503,7 @@ def attention_modules(model: torch.nn.Module, every_copy: bool = False) -> list[
         if not isinstance(idx, int):
             continue
         names = [k.__name__ for k in type(module).__mro__]  # a subclass of yours is named as it likes
-        if any("Attention" in n for n in names) and not any("Cross" in n for n in names):
+        if any("Attention" in n for n in names) and "Cross" not in type(module).__name__:
             found.setdefault(idx, []).append(module)
     return [m for i in sorted(found) for m in (found[i] if every_copy else found[i][:1])]
 
@@ -631,16 +639,30 @@ def model_kv_spec(model: torch.nn.Module, layers: list[torch.nn.Module] | None =
     return spec if heads == spec.num_kv_heads else dataclasses.replace(spec, num_kv_heads=heads)
 
 
+def _hook_device(module: torch.nn.Module) -> torch.device | None:
+    """The execution device of the first accelerate hook on ``module`` or its submodules, or None."""
+    for m in module.modules():
+        hook = getattr(m, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+    return None
+
+
 def _module_device(module: torch.nn.Module) -> torch.device:
-    """Where the module computes: accelerate's execution device when a ``device_map`` hook is attached (an
-    offloaded layer keeps its weights on ``meta`` and runs elsewhere), else where its parameters are."""
-    hook = getattr(module, "_hf_hook", None)
-    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
-        device = getattr(h, "execution_device", None)
-        if device is not None:
-            return torch.device(device)
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        return tensor.device
+    """Where the module computes: accelerate's execution device when a ``device_map`` hook is attached to it or,
+    failing that, to one of its submodules (an offloaded layer keeps its weights on ``meta`` and runs elsewhere;
+    ``cpu_offload`` and a map that names the projections hook those), else where its parameters are."""
+    device = _hook_device(module)
+    if device is not None:
+        return device
+    tensors = list(itertools.chain(module.parameters(), module.buffers()))
+    for tensor in tensors:
+        if not tensor.is_meta:
+            return tensor.device
+    if tensors:
+        return tensors[0].device  # meta: no data, and nothing says where it would run (refused by from_model)
     # no parameters at all: torch's dynamically quantized Linear layers keep packed weights, which run on the CPU
     return torch.device("cpu")
 
@@ -835,9 +857,9 @@ def _code_and_settings(m: torch.nn.Module) -> tuple:
     model computes, and each change would empty the prefix cache."""
     cls = type(m)
     own = m.__dict__.get("forward")
-    if getattr(own, "astrai_hf_wrapper", False):
-        own = None
-    settings = tuple((k, v) for k, v in m.__dict__.items()
+    if getattr(own, "astrai_hf_wrapper", False) and isinstance(own, types.FunctionType):  # (a wrapper of another's
+        own = getattr(own, "astrai_hf_replaces", None)  # copies the attributes) the instance forward it wraps, or None
+    settings = tuple((k, v) for k, v in list(m.__dict__.items())  # (a copy: another thread may patch it)
                      if (type(v) is float and not k.startswith("_")) or k in _WATCHED_SETTINGS)
     return cls, getattr(cls, "forward", None), own, settings
 

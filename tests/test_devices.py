@@ -29,8 +29,12 @@ def test_explicit_layer_devices_place_storage_and_report_bytes_per_device():
 
 
 def test_from_model_follows_each_layer_to_its_device():
+    from types import SimpleNamespace
+
     model = tiny_model("llama")
     model.model.layers[1].to("meta")  # an explicit layer-to-device map: layer 0 on cpu, layer 1 on meta
+    # (meta stands in for a second device; weights on meta that no accelerate hook runs elsewhere are refused)
+    model.model.layers[1].self_attn._hf_hook = SimpleNamespace(execution_device="meta")
     pool = PagePool.from_model(model, max_tokens=64, page_size=16)
     assert pool.config.layer_devices == (torch.device("cpu"), torch.device("meta"))
     assert pool.storage.k[0].device.type == "cpu" and pool.storage.k[1].device.type == "meta"
@@ -72,3 +76,116 @@ def test_device_map_with_an_offloaded_layer_keeps_kv_where_the_layer_runs(tmp_pa
     # next call is served from the prefix cache
     out, _ = paged_and_reference(model, pool, ids, mask)
     assert torch.equal(out, ref) and pool.stats()["prefix_hit_tokens"] > 0
+
+
+def _tiny_checkpoint(tmp_path, seed=0):
+    folder = tmp_path / f"llama{seed}"
+    tiny_model("llama", seed=seed).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("how", ["cpu_offload", "projections on disk"])
+def test_hooks_on_the_attentions_submodules_tell_where_it_runs(how, tmp_path):
+    # accelerate's cpu_offload, and a device_map naming the projections, hook the projections, not the attention
+    # module: the pool had been put on meta (an autocast error patched, a device mismatch with a PagedCache)
+    from accelerate import cpu_offload
+
+    folder = _tiny_checkpoint(tmp_path)
+    if how == "cpu_offload":
+        model = cpu_offload(AutoModelForCausalLM.from_pretrained(folder).eval(), execution_device="cpu")
+    else:
+        device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                      "model.norm": "cpu", "lm_head": "cpu", "model.layers.1.input_layernorm": "cpu",
+                      "model.layers.1.post_attention_layernorm": "cpu", "model.layers.1.mlp": "cpu"}
+        device_map.update({f"model.layers.1.self_attn.{p}_proj": "disk" for p in "qkvo"})
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map,
+                                                     offload_folder=str(tmp_path / "offload")).eval()
+    assert next(model.model.layers[1].self_attn.parameters()).device.type == "meta"
+    ids, mask = left_padded_batch([4, 9, 6])
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    ref = model.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    assert pool.config.layer_devices == (torch.device("cpu"),) * 2
+    with astrai_hf.patched(model, pool=pool):
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_model_on_meta_with_no_hook_is_refused_naming_the_layers():
+    model = tiny_model("llama").to("meta")
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] has its weights on the meta device"):
+        PagePool.from_model(model, max_tokens=256)
+
+
+@pytest.mark.equivalence
+def test_the_weights_digest_reads_offloaded_layers(tmp_path):
+    # offloaded tensors had counted by name, shape and dtype only: a prefix cache saved from one model loaded into
+    # another of the same shapes, and served its K/V
+    from astrai_hf.persist import weights_fingerprint
+
+    offloaded = {"": "disk"}
+    digests = [weights_fingerprint(AutoModelForCausalLM.from_pretrained(
+        _tiny_checkpoint(tmp_path, seed), device_map=offloaded, offload_folder=str(tmp_path / f"off{seed}")))
+        for seed in (0, 1, 0)]
+    assert digests[0] != digests[1] and digests[0] == digests[2]
+
+
+@pytest.mark.equivalence
+def test_a_prefix_cache_loaded_before_patch_serves_a_dispatched_model(tmp_path):
+    # accelerate puts a forward on the model instance; patch() wraps it, and the wrapped model had looked changed to
+    # the pool (the instance forward compared as None), which dropped every loaded page
+    folder = _tiny_checkpoint(tmp_path)
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"}
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(folder, device_map=device_map,
+                                                    offload_folder=str(tmp_path / "offload")).eval()
+
+    ids, mask = left_padded_batch([20, 13])
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    model = load()
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=256, page_size=4):
+        model.generate(ids, **kw)
+        astrai_hf.get_pool(model).save_prefix_cache(tmp_path / "prefix.safetensors")
+    model = load()
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    assert pool.load_prefix_cache(tmp_path / "prefix.safetensors") > 0
+    with astrai_hf.patched(model, pool=pool):
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert pool.stats()["prefix_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("change", ["hook removed", "hook added"])
+def test_unpatch_leaves_an_accelerate_hook_changed_after_patch(change):
+    # unpatch() put back the forward of patch() time: after remove_hook_from_module that forward called the deleted
+    # hook (AttributeError); a hook added after patch() stopped running
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 9])
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    ref = model.generate(ids, **kw)
+    if change == "hook removed":
+        add_hook_to_module(model, Count())
+    astrai_hf.patch(model, max_tokens=256, page_size=4)
+    if change == "hook removed":
+        remove_hook_from_module(model, recurse=True)
+    else:
+        add_hook_to_module(model, Count())
+    assert torch.equal(model.generate(ids, **kw), ref)
+    astrai_hf.unpatch(model)
+    Count.calls = 0
+    assert torch.equal(model.generate(ids, **kw), ref)
+    assert Count.calls == (3 if change == "hook added" else 0)
+    with astrai_hf.patched(model, max_tokens=256, page_size=4):  # patched again over it
+        assert torch.equal(model.generate(ids, **kw), ref)

@@ -259,6 +259,52 @@ def test_patch_of_one_model_from_two_threads_at_once_installs_once(with_pool):
         assert not {"forward", "generate", "__deepcopy__", "__reduce_ex__"} & set(model.__dict__)
 
 
+def test_calls_from_two_threads_while_a_third_swaps_the_pool():
+    # a call chose its pool's lock before it held the model's, so one that raced patch()'s pool swap held the old
+    # pool's lock and ran on the new one: its forward then waited for the new pool's lock, held by the other call,
+    # which waited for the model's lock (a deadlock), or two calls ran on one pool at once
+    import sys
+    import time
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 3], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    ref = model.generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=512)
+    results, done = [], threading.Event()
+
+    def generate():
+        for _ in range(40):
+            try:
+                results.append(torch.equal(model.generate(ids, **kw), ref))
+            except Exception as e:  # recorded, checked below
+                results.append(e)
+        done.set()
+
+    def swap():
+        for i in range(10**6):
+            if done.is_set():
+                break
+            astrai_hf.patch(model, max_tokens=256 if i % 2 else 512)
+            time.sleep(0.001)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often
+    threads = [threading.Thread(target=f, daemon=True) for f in (generate, generate, swap)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 90
+        for t in threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads), "deadlocked"
+    assert results == [True] * 80, [r for r in results if r is not True][:3]
+    assert _used(model) == 0
+    astrai_hf.unpatch(model)
+
+
 @pytest.mark.parametrize("b_patched", ["before", "in its thread"])
 def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other(b_patched):
     # the pool's prefix cache belongs to one model at a time: a call of the other model between two steps of a

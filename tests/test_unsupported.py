@@ -353,18 +353,48 @@ def test_a_subclass_that_puts_a_mask_of_its_own_into_the_kwargs_it_hands_on_is_r
                 attention_mask.masked_fill_(torch.ones_like(attention_mask, dtype=torch.bool).tril(-3), -1e9)
             return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
 
+    class ByKeyName(llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, **kwargs):
+            key = "attention_mask"
+            kwargs[key] = masked(kwargs[key])
+            return super().forward(hidden_states, position_embeddings, **kwargs)
+
+    class ByUpdatePairs(llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, **kwargs):
+            kwargs.update([("attention_mask", masked(kwargs["attention_mask"]))])
+            return super().forward(hidden_states, position_embeddings, **kwargs)
+
+    class InPlaceThroughAlias(llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+            m = attention_mask
+            m[..., 2:5] = -1e9
+            return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
     class ReadsOnly(llama.LlamaAttention):  # reads the mask from the kwargs, hands them on unchanged: served
         def forward(self, hidden_states, position_embeddings, **kwargs):
             self.last_mask = kwargs.get("attention_mask")
             other = dict(kwargs)
             return super().forward(hidden_states, position_embeddings, **other)
 
+    class LogsTheMask(llama.LlamaAttention):  # dicts of its own that name the mask (a log record, a probe): served
+        def forward(self, hidden_states, position_embeddings, **kwargs):
+            record = {"layer": self.layer_idx, "attention_mask": tuple(kwargs["attention_mask"].shape)}
+            probe = dict(attention_mask=kwargs["attention_mask"] is not None, layer=self.layer_idx)
+            self.seen = {}
+            self.seen["attention_mask"] = kwargs["attention_mask"]
+            stats = {}
+            stats["attention_mask"] = record, probe
+            return super().forward(hidden_states, position_embeddings, **kwargs)
+
     from astrai_hf.patch import own_attention_mask
 
-    for cls in (ByItem, ByUpdate, ByMerge, ByDictCall, ByOrAssign, ByCopyThenItem, InTheCall):
+    for cls in (ByItem, ByUpdate, ByMerge, ByDictCall, ByOrAssign, ByCopyThenItem, InTheCall, ByKeyName,
+                ByUpdatePairs):
         assert own_attention_mask(cls) == "an attention_mask put into the **kwargs handed on", cls.__name__
-    assert own_attention_mask(InPlace) == "attention_mask, changed in place"
-    assert own_attention_mask(ReadsOnly) is None
+    for cls in (InPlace, InPlaceThroughAlias):
+        assert own_attention_mask(cls) == "attention_mask, changed in place", cls.__name__
+    for cls in (ReadsOnly, LogsTheMask):
+        assert own_attention_mask(cls) is None, cls.__name__
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
