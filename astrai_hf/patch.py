@@ -1229,14 +1229,16 @@ def _note_held_tokens(cache: PagedCache, out, args: tuple, kwargs: dict, config,
     """Record on the cache a patched generate() made the tokens and mask a stock cache would hold after the call,
     ``(sequences[:, :L], mask [B, L])`` with ``L = cache.logical_len``, for :func:`_continues_other_tokens`;
     ``computed_from`` [B, L0]: the tokens its first ``L0`` columns were computed from, when not the prompt's.
-    Left unset for calls whose cache rows are not the returned sequences (beams, several samples per prompt,
-    candidate decoding)."""
+    Left unset for calls whose cache rows are not the returned sequences (beams, candidate decoding); several
+    samples per prompt are rows of their own, as in stock's cache."""
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
     prompt = _prompt_and_mask(args, kwargs, config)
     if (sequences is None or prompt is None or _candidate_decoding(kwargs, config)
-            or (_get(kwargs, config, "num_beams") or 1) != 1 or (_get(kwargs, config, "num_return_sequences") or 1) != 1):
+            or (_get(kwargs, config, "num_beams") or 1) != 1):
         return
     input_ids, mask = prompt
+    n = _get(kwargs, config, "num_return_sequences") or 1
+    input_ids, mask = input_ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
     B, T = input_ids.shape
     L = cache.logical_len
     if sequences.shape[0] != B or not T <= L < sequences.shape[1] or cache.batch_size != B:

@@ -419,6 +419,30 @@ def test_the_returned_cache_passed_back_with_other_tokens_in_its_columns_gives_s
         assert s["num_used_pages"] == 0 and s["prefix_hit_tokens"] > 0
 
 
+def test_the_returned_cache_of_several_samples_per_prompt_passed_back_with_other_tokens_gives_stocks_tokens():
+    # stock's cache holds one row per returned sequence: the call had computed the edited columns afresh
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 7], seed=1)
+    more = torch.randint(3, 96, (4, 3), generator=torch.Generator().manual_seed(2))
+
+    def turns():
+        torch.manual_seed(0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, num_return_sequences=2,
+                             return_dict_in_generate=True)
+        seq = torch.cat([out.sequences, more], 1)
+        seq[:, 8] = (seq[:, 8] + 1) % 96
+        m = torch.cat([mask.repeat_interleave(2, 0), torch.ones(4, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        return model.generate(seq, attention_mask=m, past_key_values=out.past_key_values, max_new_tokens=4,
+                              do_sample=False, return_dict_in_generate=True, output_scores=True)
+
+    ref = turns()
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        got = turns()
+        assert torch.equal(got.sequences, ref.sequences)
+        torch.testing.assert_close(torch.stack(got.scores), torch.stack(ref.scores), rtol=1e-4, atol=1e-4)
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+
+
 def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_chunks():
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 
