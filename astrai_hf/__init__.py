@@ -1,7 +1,7 @@
 """astrai-hf: a paged KV cache, prefix reuse and paged attention behind Hugging Face ``model.generate()``.
 
 Importing this package registers nothing and patches nothing; :func:`patch` does. The library prints nothing: it
-logs to the ``astrai_hf`` logger (patching and pool pressure at INFO, prefix-cache hits and evictions at DEBUG).
+logs to the ``astrai_hf`` logger (patching at INFO; prefix-cache hits, pool pressure and evictions at DEBUG).
 """
 
 import logging

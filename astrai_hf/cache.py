@@ -175,6 +175,7 @@ class PagedCache(Cache):
     verifies_candidates = False  # set by a patched generate() running prompt lookup or assisted decoding
     made_by_generate = False  # set on the cache a patched generate() makes for itself (and releases)
     returned_by_generate = False  # set when that generate() has returned: the cache is released for good
+    _prompt_width = None  # columns of the prompt the cache was built with (input_ids.shape[1])
     # (sequences [B, L], mask [B, L]): the tokens a stock cache would hold after that generate(), see patch.py
     held_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     is_croppable = True
@@ -244,6 +245,7 @@ class PagedCache(Cache):
             return
         self._prompt_pads, self._num_pad = pads, list(pads)
         self._prompt_ids = [row[p:] for row, p in zip(input_ids.tolist(), pads)]
+        self._prompt_width = L
         if prefix_cache and pool.prefix_cache is not None and L > 1:
             target = model if model is not None else pool.model
             if target is not None:
@@ -481,6 +483,12 @@ class PagedCache(Cache):
         all-reduce of 5 integers: when planning fails on any rank, every rank releases its cache and raises (see
         :meth:`astrai_hf.distributed.RankGroup.agree`), so none is left waiting in the model's next collective.
         """
+        if not self._first_step_planned and self.logical_len and q_len == self._prompt_width:
+            raise ValueError(
+                f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {q_len} columns from the "
+                f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
+                "input_ids[:, cache.get_seq_length():], as generate() does, or build the cache with prefix_cache=False"
+            )
         step, failed = None, None
         with interrupts_deferred():
             try:

@@ -1,4 +1,5 @@
-"""The ``astrai-hf`` command: ``demo``, ``generate`` and ``bench`` on the embedded model or any ``--model``."""
+"""The ``astrai-hf`` command: ``demo``, ``generate`` and ``bench`` on the embedded model or any ``--model``, and
+``run``, which runs a script of yours with every ``generate()`` patched."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="most new tokens (default 128)")
     gen.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     # --model is parsed for run too, to say that it does not apply (not to take the model id for the script)
-    run = sub.add_parser("run", parents=[with_model],
+    run_model = argparse.ArgumentParser(add_help=False)  # not listed in run's help: it only says it does not apply
+    run_model.add_argument("--model", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    run = sub.add_parser("run", parents=[run_model],
                          help="run an unmodified Python script with every generate() patched (zero-code)")
     run.add_argument("--max-tokens", type=_positive_int, default=None, help="token capacity of each model's pool")
     run.add_argument("--page-size", type=_positive_int, default=None, help="tokens per page")

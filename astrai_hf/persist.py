@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .storage import gather_kv
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "astrai-hf-prefix-cache"
 VERSION = "1"
@@ -288,7 +291,7 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     """Load pages written by :func:`save_prefix_cache` into ``pool``'s prefix cache.
 
     Pages go into free pages only (nothing cached or in use is evicted for them), parents before children; what does
-    not fit is skipped. Prefixes already cached are kept as they are.
+    not fit is skipped, with a warning on the ``astrai_hf`` logger. Prefixes already cached are kept as they are.
 
     Args:
         pool: a PagePool with a prefix cache.
@@ -367,6 +370,10 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
             for i, _ in reversed(placed):  # children before parents
                 cache.remove(nodes[i])
             raise
+    skipped = sum(node is None for node in nodes)
+    if skipped:
+        logger.warning("loaded %d of the %d pages in %s: the pool had no free page for the other %d (loading "
+                       "evicts nothing)", len(placed), len(index), path, skipped)
     return len(placed)
 
 

@@ -471,7 +471,7 @@ def test_a_patched_generate_output_pickles_as_a_stock_one_and_a_live_cache_or_po
         assert torch.equal(loaded.sequences, out.sequences)
         assert type(loaded.past_key_values) is DynamicCache and loaded.past_key_values.get_seq_length() == 0
         pool = astrai_hf.get_pool(model)
-        with PagedCache(pool, ids, mask) as live:
+        with PagedCache(pool, ids, mask, prefix_cache=False) as live:
             live.plan_step(2, ids.shape[1], attention_mask=mask)  # holds rows now
             with pytest.raises(TypeError, match="holding 2 rows"):
                 pickle.dumps(live)

@@ -1,5 +1,6 @@
 """Prefix cache: reuse across generate() calls is exact, collision-proof, evicts tail first and never leaks."""
 
+import contextlib
 import inspect
 import subprocess
 import sys
@@ -364,7 +365,7 @@ def _fits(model, pages, ids, mask, kw) -> bool:
     try:
         _generate(model, _tight_pool(model, pages), ids, mask, **kw)
         return True
-    except CacheFullError:
+    except (CacheFullError, ValueError):  # (ValueError: a row longer than the whole pool)
         return False
 
 
@@ -558,6 +559,32 @@ def test_save_and_load_name_a_bad_path(llama, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="junk.safetensors is not an astrai-hf prefix cache: not a readable"):
         pool.load_prefix_cache(junk)
     assert pool.save_prefix_cache("p.safetensors") == 3  # a plain str, relative to the working folder
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_hand_loop_feeding_the_whole_prompt_to_a_pre_filled_cache_is_refused(llama, patched):
+    # the cache starts with the prompt's cached columns; a forward of the whole prompt had stored them twice and
+    # given other logits than DynamicCache, without a word
+    from transformers import DynamicCache
+
+    pool = _pool(llama, max_tokens=256, page_size=4)
+    ids, mask = _batch([_tokens(9, seed=50), _tokens(5, seed=51)])
+    _generate(llama, pool, ids, mask, max_new_tokens=2)  # the prompts into the prefix cache
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # the positions generate() gives, with which the prefixes were cached
+    want = llama(input_ids=ids, attention_mask=mask, position_ids=pos, **{_kw(llama): DynamicCache()}).logits[:, -1]
+    with contextlib.ExitStack() as stack:
+        if patched:
+            stack.enter_context(astrai_hf.patched(llama, pool=pool))
+        with PagedCache(pool, ids, mask) as cache:
+            start = cache.get_seq_length()
+            assert start > 0
+            with pytest.raises(ValueError, match=f"pre-filled with {start} of the prompt's 9 columns"):
+                llama(input_ids=ids, attention_mask=mask, **{_kw(llama): cache})
+        with PagedCache(pool, ids, mask) as cache:  # the way generate() feeds it
+            got = llama(input_ids=ids[:, start:], attention_mask=mask, position_ids=pos[:, start:],
+                        **{_kw(llama): cache}).logits[:, -1]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    _assert_pool_idle(pool)
 
 
 def test_a_pool_whose_model_is_gone_says_so_on_save(tmp_path):
