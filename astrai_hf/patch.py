@@ -1096,9 +1096,7 @@ def _wrap_generate(owner, generate, state: PatchState):
                 state.generating -= 1
 
     def _paged_generate(model, *args, **kwargs):
-        passed = kwargs.get("generation_config")
-        if passed is None and len(args) > 1:  # generate(inputs, generation_config, ...)
-            passed = args[1]
+        passed = _passed_generation_config(args, kwargs)
         config = _GenerationSettings(passed, model.generation_config)
         given = _find_cache(kwargs)
         if isinstance(given, PagedCache) and given.made_by_generate and not given.is_initialized:
@@ -1109,7 +1107,7 @@ def _wrap_generate(owner, generate, state: PatchState):
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
-                return _continue_held_tokens(model, state, held, args, kwargs)
+                return _continue_held_tokens(model, state, held, args, kwargs, config)
         if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
                 kwargs, config) or (model.training and dropout_active(model)) or _own_attention(state) is not None):
             # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
@@ -1186,7 +1184,7 @@ def _wrap_generate(owner, generate, state: PatchState):
     return paged_generate
 
 
-def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: dict):
+def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: dict, config):
     """generate() on the cache an earlier call returned, with a prompt whose first columns hold other tokens than
     that call's sequences (a chat template that tokenizes an answer otherwise): stock's cache still holds the
     earlier K/V and computes only the columns after them, so this call does too. A cache of its own is filled with
@@ -1200,8 +1198,6 @@ def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: d
         positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
         model(input_ids=held_ids[:, start:], attention_mask=held_mask, position_ids=positions[:, start:],
               use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
-        config = _GenerationSettings(kwargs.get("generation_config") or (args[1] if len(args) > 1 else None),
-                                     model.generation_config)
         out = model.generate(*args, **{**kwargs, state.cache_kwarg: cache})
         _note_held_tokens(cache, out, args, kwargs, config, computed_from=held_ids)
         return out
@@ -1210,10 +1206,15 @@ def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: d
         cache.made_by_generate = cache.returned_by_generate = True
 
 
+def _call_input_ids(args: tuple, kwargs: dict):
+    """The prompt a generate() call is given: its first positional argument, else ``inputs=`` or ``input_ids=``."""
+    return args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+
+
 def _prompt_and_mask(args: tuple, kwargs: dict, config):
     """A generate() call's ``input_ids`` [B, T] and its mask (the one passed, else the one generate() implies), or
     None when the call is fed otherwise (``inputs_embeds``)."""
-    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    input_ids = _call_input_ids(args, kwargs)
     if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point()
             or kwargs.get("inputs_embeds") is not None):
         return None
@@ -1236,10 +1237,9 @@ def _note_held_tokens(cache: PagedCache, out, args: tuple, kwargs: dict, config,
     if (sequences is None or prompt is None or _candidate_decoding(kwargs, config)
             or (_get(kwargs, config, "num_beams") or 1) != 1):
         return
-    input_ids, mask = prompt
     n = _get(kwargs, config, "num_return_sequences") or 1
-    input_ids, mask = input_ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
-    B, T = input_ids.shape
+    mask = prompt[1].repeat_interleave(n, dim=0)  # one row per returned sequence
+    B, T = mask.shape
     L = cache.logical_len
     if sequences.shape[0] != B or not T <= L < sequences.shape[1] or cache.batch_size != B:
         return
@@ -1394,6 +1394,12 @@ def _other_inputs(kwargs: dict) -> list[str]:
     return sorted(names)
 
 
+def _passed_generation_config(args: tuple, kwargs: dict):
+    """The ``generation_config`` a generate() call is given, by keyword or second positional argument, or None."""
+    passed = kwargs.get("generation_config")
+    return args[1] if passed is None and len(args) > 1 else passed
+
+
 class _GenerationSettings:
     """What ``generate()`` will use for a setting (``kwargs`` aside): a ``generation_config`` passed to the call,
     where it sets the value, else the model's own ``generation_config`` (transformers fills a passed config's unset
@@ -1438,7 +1444,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
                embeds_token_types: bool = True) -> PagedCache:
     """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
     found."""
-    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    input_ids = _call_input_ids(args, kwargs)
     attention_mask = kwargs.get("attention_mask")
     new_tokens = 0
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
@@ -1573,7 +1579,7 @@ def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -
         ValueError: from :func:`~astrai_hf.cache.left_padding`, naming the rows; a mask of another row count than
             the prompt; from :meth:`PagedCache.fit_to`.
     """
-    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    input_ids = _call_input_ids(args, kwargs)
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
         return
     mask = kwargs.get("attention_mask")

@@ -93,7 +93,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             h.update(_run_sums(part))
     from .pool import _packed_params
 
-    for name, obj in sorted(_packed_params(model).items()):  # quantize_dynamic's packed weights
+    for name in sorted(_packed_params(model)):  # quantize_dynamic's packed weights
         holder = model.get_submodule(name)
         unpack = getattr(holder, "_weight_bias", None)
         parts = unpack() if callable(unpack) else ()
@@ -109,14 +109,15 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def _offloaded_value(model: torch.nn.Module, name: str) -> torch.Tensor | None:
     """The values of the tensor ``name`` that an accelerate hook loads for each forward (a layer a ``device_map``
     offloaded to the CPU or disk keeps it on ``meta``), read from the hook's weights map; None if none holds it."""
+    from .pool import accelerate_hooks
+
     parts = name.split(".")
     for cut in range(len(parts) - 1, -1, -1):
         try:
             module = model.get_submodule(".".join(parts[:cut]))
         except AttributeError:
             continue
-        hook = getattr(module, "_hf_hook", None)
-        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        for h in accelerate_hooks(module):
             weights = getattr(h, "weights_map", None)
             if getattr(h, "offload", False) and weights is not None:
                 try:

@@ -639,11 +639,16 @@ def model_kv_spec(model: torch.nn.Module, layers: list[torch.nn.Module] | None =
     return spec if heads == spec.num_kv_heads else dataclasses.replace(spec, num_kv_heads=heads)
 
 
+def accelerate_hooks(module: torch.nn.Module) -> list:
+    """The accelerate hooks attached to ``module`` itself (a ``SequentialHook`` unpacked), in order."""
+    hook = getattr(module, "_hf_hook", None)
+    return list(getattr(hook, "hooks", None) or ([hook] if hook is not None else []))
+
+
 def _hook_device(module: torch.nn.Module) -> torch.device | None:
     """The execution device of the first accelerate hook on ``module`` or its submodules, or None."""
     for m in module.modules():
-        hook = getattr(m, "_hf_hook", None)
-        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        for h in accelerate_hooks(m):
             device = getattr(h, "execution_device", None)
             if device is not None:
                 return torch.device(device)
@@ -795,13 +800,16 @@ class _WeightsVersion:
         )
 
 
+def _values_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a sparse tensor's values (it has no storage of its own)."""
+    if t.layout == torch.strided:
+        return t
+    return t._values() if t.layout == torch.sparse_coo else t.values()
+
+
 def _storage_of(t: torch.Tensor):
-    """The storage holding ``t``'s values (a sparse tensor's values tensor's: it has none of its own)."""
-    if t.layout == torch.sparse_coo:
-        t = t._values()
-    elif t.layout != torch.strided:
-        t = t.values()
-    return t.untyped_storage()
+    """The storage holding ``t``'s values."""
+    return _values_of(t).untyped_storage()
 
 
 def _packed_params(model: torch.nn.Module) -> dict[str, object]:
@@ -818,16 +826,12 @@ def _packed_params(model: torch.nn.Module) -> dict[str, object]:
 def _inference_sums(tensors: list[torch.Tensor]) -> list[float]:
     """The float64 sum of each inference tensor (a model built under ``torch.inference_mode()``): they keep no
     version counter, and ``load_state_dict`` inside that mode changes them in place. One reduction per tensor,
-    a read of the weights per call (for such models only), and one copy of the sums to the host."""
-    sums = [torch.sum(t.detach() if t.layout == torch.strided else _storage_values(t), dtype=torch.float64)
-            for t in tensors if t.is_inference() and not t.is_quantized and not t.is_complex()]
-    if not sums:
-        return []
-    return torch.stack([x.cpu() for x in sums]).tolist()
-
-
-def _storage_values(t: torch.Tensor) -> torch.Tensor:
-    return t._values() if t.layout == torch.sparse_coo else t.values()
+    a read of the weights per call (for such models only), and one copy of the sums to the host per device."""
+    by_device: dict[torch.device, list] = {}
+    for t in tensors:
+        if t.is_inference() and not t.is_quantized and not t.is_complex():
+            by_device.setdefault(t.device, []).append(torch.sum(_values_of(t.detach()), dtype=torch.float64))
+    return [x for sums in by_device.values() for x in torch.stack(sums).cpu().tolist()]
 
 
 def _config_digest(model: torch.nn.Module) -> str:
