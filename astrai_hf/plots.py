@@ -6,16 +6,22 @@ redraws from the JSON files a ``bench --out DIR`` wrote (``bench.json``, ``prefi
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 SUITE_FILES = {"decode": "bench.json", "prefix": "prefix.json", "prefill": "prefill.json"}
 
 
 def load_results(folder: str | Path) -> dict:
-    """The results of each suite found in ``folder``, keyed ``decode`` / ``prefix`` / ``prefill``."""
+    """The results of each suite found in ``folder``, keyed ``decode`` / ``prefix`` / ``prefill``.
+
+    Raises:
+        FileNotFoundError: ``folder`` is not a directory.
+    """
     folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"results folder {str(folder)!r} does not exist or is not a directory")
     return {suite: json.loads((folder / name).read_text()) for suite, name in SUITE_FILES.items()
             if (folder / name).is_file()}
 
@@ -99,15 +105,19 @@ def plot(results: dict, path: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m astrai_hf.plots RESULTS_DIR [chart.png]", file=sys.stderr)
-        return 2
-    folder = Path(argv[0])
-    out = plot(load_results(folder), argv[1] if len(argv) > 1 else folder / "chart.png")
+    parser = argparse.ArgumentParser(prog="python -m astrai_hf.plots",
+                                     description="Redraw the chart of the results an `astrai-hf bench --out DIR` wrote.")
+    parser.add_argument("folder", type=Path, help="folder holding bench.json / prefix.json / prefill.json")
+    parser.add_argument("chart", type=Path, nargs="?", help="PNG to write (default: FOLDER/chart.png)")
+    args = parser.parse_args(argv)
+    try:
+        results = load_results(args.folder)
+        out = plot(results, args.chart or args.folder / "chart.png")
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
     print(out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

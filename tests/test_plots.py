@@ -24,3 +24,13 @@ def test_cli_redraw(tmp_path, capsys):
 def test_nothing_to_draw(tmp_path):
     with pytest.raises(ValueError, match="no known benchmark suite"):
         plots.plot({}, tmp_path / "x.png")
+
+
+def test_cli_names_a_missing_folder(tmp_path, capsys):
+    missing = tmp_path / "no-such-results"
+    with pytest.raises(SystemExit) as e:
+        plots.main([str(missing)])
+    assert e.value.code == 2
+    assert str(missing) in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="no-such-results"):
+        plots.load_results(missing)
