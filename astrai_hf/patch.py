@@ -51,6 +51,8 @@ class PatchState:
     rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
     embeds_token_types: bool = True  # token types (zeros too) enter the embeddings: no prefix reuse with them
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
+    # id(attention module) -> the sliding window its config gives, where the module's own attribute disagrees
+    windows: dict = field(default_factory=dict)
     # the sizing patch() built the default pool with (None: the caller gave the pool); such a pool is rebuilt when
     # the model is moved to another dtype or device
     own_pool_kwargs: dict | None = None
@@ -1353,14 +1355,71 @@ def _sync_modules(model, state: PatchState) -> None:
     if quantized is not None:
         raise NotImplementedError(f"{type(model).__name__} (it changed since patch()): {quantized}; unpatch it")
     modules = attention_modules(model, every_copy=True)
-    if [id(m) for m in modules] == [id(ref()) for ref in state.module_refs]:
-        return
-    _check_attention_modules(model, modules, " (it changed since patch())")
-    _attach_modules(model, state, modules)
-    for runner in state.runners.values():  # captured over the modules that left
+    if [id(m) for m in modules] != [id(ref()) for ref in state.module_refs]:
+        _check_attention_modules(model, modules, " (it changed since patch())")
+        _attach_modules(model, state, modules)
+        _close_runners(state)  # captured over the modules that left
+        logger.info("%s: its attention modules changed since patch(); patched the new ones", type(model).__name__)
+    windows = _config_windows(modules)
+    if windows != state.windows:
+        _close_runners(state)  # captured with the windows of before
+        state.windows = windows
+
+
+def _close_runners(state: PatchState) -> None:
+    for runner in state.runners.values():
         runner.close()
     state.runners.clear()
-    logger.info("%s: its attention modules changed since patch(); patched the new ones", type(model).__name__)
+
+
+def _config_windows(modules) -> dict[int, int | None]:
+    """The sliding window of each attention module whose own ``sliding_window`` no longer agrees with its config,
+    by ``id(module)``: the window stock sdpa and eager attention apply (through the mask that the model's forward
+    builds from ``config.sliding_window`` for the layers ``config.layer_types`` names ``sliding_attention``), where
+    the module hands the attention function the window its ``__init__`` copied from the config (Qwen2, Gemma 2 and
+    3, and their kin) and the config was edited since, or the attribute was set by hand. Modules that read the
+    config at each forward (Mistral) are never listed."""
+    windows = {}
+    for m in modules:
+        config = getattr(m, "config", None)
+        types = getattr(config, "layer_types", None)
+        index = getattr(m, "layer_idx", None)
+        if (not isinstance(types, (list, tuple)) or not isinstance(index, int) or not 0 <= index < len(types)
+                or not _window_copied_from_config(type(m))):
+            continue
+        window = getattr(config, "sliding_window", None) if types[index] == "sliding_attention" else None
+        if window != getattr(m, "sliding_window", None):
+            windows[id(m)] = window
+    return windows
+
+
+@functools.cache
+def _window_copied_from_config(cls: type) -> bool:
+    """Whether ``cls.__init__`` sets ``self.sliding_window = config.sliding_window if <the layer is
+    "sliding_attention"> else None`` and its forward hands ``sliding_window=self.sliding_window`` to the attention
+    function."""
+    init = next((vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)), None)
+    found = _attention_calls(cls)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    if not found or not (calls := [c for _, cs in found for c in cs if not _is_super_forward(c)]):
+        return False
+
+    def is_self_window(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "sliding_window" and isinstance(node.value, ast.Name)
+                and node.value.id == "self")
+
+    def from_layer_type(node) -> bool:
+        return (isinstance(node, ast.IfExp) and isinstance(node.body, ast.Attribute)
+                and node.body.attr == "sliding_window" and isinstance(node.orelse, ast.Constant)
+                and node.orelse.value is None
+                and any(isinstance(c, ast.Constant) and c.value == "sliding_attention" for c in ast.walk(node.test)))
+
+    sets = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and any(map(is_self_window, n.targets))]
+    passes = all(any(k.arg == "sliding_window" and is_self_window(k.value) for k in c.keywords) for c in calls)
+    return len(sets) == 1 and from_layer_type(sets[0]) and passes
 
 
 def _rebuild_pool(model, state: PatchState) -> None:

@@ -652,6 +652,42 @@ def test_a_sliding_window_changed_in_the_config_drops_the_cached_prefixes(window
     assert torch.equal(out, model.generate(ids, **kw))
 
 
+def _all_full(model):
+    model.config.layer_types = ["full_attention"] * len(model.config.layer_types)
+
+
+def _window_set_on_modules(model):
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = 2  # stock's sdpa reads the window from the config's mask, not from here
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("edit", [
+    lambda m: setattr(m.config, "sliding_window", 2), lambda m: setattr(m.config, "sliding_window", 12),
+    _all_full, _window_set_on_modules,
+], ids=["window-2", "window-12", "layer-types-all-full", "module-attribute"])
+@pytest.mark.parametrize("before_patch", [False, True], ids=["after-patch", "before-patch"])
+def test_a_window_copied_by_the_attention_modules_follows_a_config_edited_since(arch, edit, before_patch):
+    # these families copy config.sliding_window into each attention module once, in __init__; stock sdpa applies
+    # the config's window (through the mask) at every forward
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([20, 35, 18], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    before = model.generate(ids, **kw)
+    if before_patch:
+        edit(model)
+    with astrai_hf.patched(model, max_tokens=4096, page_size=4):
+        model.generate(ids, **kw)  # warms the prefix cache
+        if not before_patch:
+            edit(model)
+        out = model.generate(ids, **kw)
+        assert _used(astrai_hf.get_pool(model)) == 0
+    ref = model.generate(ids, **kw)
+    if edit is not _window_set_on_modules:
+        assert not torch.equal(ref, before)  # the edit matters to stock
+    assert torch.equal(out, ref)
+
+
 def test_a_rope_switched_to_dynamic_after_patch_is_not_chunked():
     def dynamic(m):
         m.config.rope_parameters = {**m.config.rope_parameters, "rope_type": "dynamic", "factor": 8.0}

@@ -50,6 +50,8 @@ def paged_attention_forward(
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{type(module).__name__} passes `{name}`, which paged attention does not implement")
     layer = module.layer_idx
+    if state.windows:  # the module's window is stale: its config was edited since the model was built
+        sliding_window = state.windows.get(id(module), sliding_window)
     storage = (state.step_pool or state.pool).storage
     kw = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap)
     if getattr(meta, "graph", False):
