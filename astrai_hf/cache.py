@@ -483,7 +483,7 @@ class PagedCache(Cache):
         all-reduce of 5 integers: when planning fails on any rank, every rank releases its cache and raises (see
         :meth:`astrai_hf.distributed.RankGroup.agree`), so none is left waiting in the model's next collective.
         """
-        if not self._first_step_planned and self.logical_len and q_len == self._prompt_width:
+        if not self._first_step_planned and self.logical_len and self._refeeds_prompt(q_len, input_ids, position_ids):
             raise ValueError(
                 f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {q_len} columns from the "
                 f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
@@ -503,6 +503,21 @@ class PagedCache(Cache):
         self._step, self._step_layers = step, set()
         self.step_saw_positions = False  # whether the layers passed update() this step's position_ids
         return step
+
+    def _refeeds_prompt(self, q_len: int, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None) -> bool:
+        """Whether a pre-filled cache's first forward feeds the whole prompt it was built with again: as wide as that
+        prompt and holding its tokens (or, given positions only, ending at its last position). A longer prompt whose
+        uncached columns happen to be as many is not refused."""
+        if q_len != self._prompt_width:
+            return False
+        pads, prompt = self._prompt_pads, self._prompt_ids
+        if input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] % len(prompt) == 0:
+            group = input_ids.shape[0] // len(prompt)  # rows expanded per prompt (num_return_sequences, beams)
+            rows = input_ids[::group].tolist()
+            return all(row[p:] == ids for row, p, ids in zip(rows, pads, prompt))
+        if position_ids is not None and position_ids.dim() == 2 and position_ids.shape == (len(pads), q_len):
+            return all(pos == q_len - 1 - p for pos, p in zip(position_ids[:, -1].tolist(), pads))
+        return True
 
     def mask_has_holes(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> bool:
         """Whether a step's 2-D ``attention_mask`` [B, logical_len + q_len or wider] masks a column after a row's left
@@ -1148,6 +1163,7 @@ class PagedCache(Cache):
         twin._num_pad = None if self._num_pad is None else list(self._num_pad)
         twin._prompt_pads = None if self._prompt_pads is None else list(self._prompt_pads)
         twin._prompt_ids = None if self._prompt_ids is None else [list(ids) for ids in self._prompt_ids]
+        twin._prompt_width = self._prompt_width
         rows, pool = self._rows, self.pool
         if rows.req_rows:
             new_rows = pool.req_to_token.alloc(len(rows.req_rows))

@@ -587,6 +587,40 @@ def test_a_hand_loop_feeding_the_whole_prompt_to_a_pre_filled_cache_is_refused(l
     _assert_pool_idle(pool)
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt_is_not_refused(llama, patched):
+    # a cache built with a 9-token system prompt holds its first 8 columns; a 17-token prompt starting with it
+    # leaves 9 to compute, as many as the system prompt: that is a continuation, not the prompt fed again
+    from transformers import DynamicCache
+
+    pool = _pool(llama, max_tokens=256, page_size=4)
+    system = _tokens(9, seed=52)[None]
+    _generate(llama, pool, system, torch.ones_like(system), max_new_tokens=2)
+    ones = torch.ones(1, 17, dtype=torch.long)
+    with contextlib.ExitStack() as stack:
+        if patched:
+            stack.enter_context(astrai_hf.patched(llama, pool=pool))
+        with PagedCache(pool, system, torch.ones_like(system)) as cache:
+            start = cache.get_seq_length()
+            assert start == 8
+            prompt = torch.cat([system, _tokens(start, seed=53)[None]], 1)
+            stock = DynamicCache()
+            llama(input_ids=prompt[:, :start], **{_kw(llama): stock})
+            want = llama(input_ids=prompt[:, start:], **{_kw(llama): stock}).logits
+            got = llama(input_ids=prompt[:, start:], attention_mask=ones, **{_kw(llama): cache}).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        with PagedCache(pool, system, torch.ones_like(system)) as cache:  # embeddings and positions only
+            embeds = llama.get_input_embeddings()(prompt[:, start:])
+            got = llama(inputs_embeds=embeds, position_ids=torch.arange(start, 17)[None], attention_mask=ones,
+                        **{_kw(llama): cache}).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        with PagedCache(pool, system, torch.ones_like(system)) as cache:  # the system prompt fed again: refused
+            with pytest.raises(ValueError, match="pre-filled with 8 of the prompt's 9 columns"):
+                llama(inputs_embeds=llama.get_input_embeddings()(system), position_ids=torch.arange(9)[None],
+                      **{_kw(llama): cache})
+    _assert_pool_idle(pool)
+
+
 def test_a_pool_whose_model_is_gone_says_so_on_save(tmp_path):
     # it had said the pool was "not bound to a model (build it with PagePool.from_model ...)", as it was built
     pool = PagePool.from_model(tiny_model("llama"), max_tokens=64, page_size=4)  # the model is freed at once
