@@ -1110,6 +1110,9 @@ def _wrap_generate(owner, generate, state: PatchState):
             given = None
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config)
+            width = _columns_after_held(held, args, kwargs, config)
+            if width is not None:  # stock computes only the columns after its cache's: so many per-position outputs
+                return _first_step_outputs_cut(_paged_generate(model, *args, **kwargs), width)
         if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
                 kwargs, config) or (model.training and dropout_active(model)) or _own_attention(state) is not None):
             # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
@@ -1206,6 +1209,31 @@ def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: d
     finally:
         cache.release()
         cache.made_by_generate = cache.returned_by_generate = True
+
+
+def _columns_after_held(held, args: tuple, kwargs: dict, config) -> int | None:
+    """For a call given the cache an earlier patched call returned and asking for hidden states or attentions of
+    every position: the number of prompt columns after the ``L`` that cache held (stock's cache holds their K/V, so
+    its first forward, and the per-position outputs of it, cover only the columns after them), else None."""
+    if held is None or not (_get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
+        return None
+    prompt = _prompt_and_mask(args, kwargs, config)
+    if prompt is None or prompt[0].shape[1] <= held[0].shape[1]:
+        return None
+    return prompt[0].shape[1] - held[0].shape[1]
+
+
+def _first_step_outputs_cut(out, width: int):
+    """``out`` (generate()'s output) with the first step's ``hidden_states`` ([B, T, hidden] per layer) and
+    ``attentions`` ([B, heads, T, keys] per layer) cut to their last ``width`` query positions."""
+    for name, axis in (("hidden_states", 1), ("attentions", 2)):
+        steps = getattr(out, name, None)
+        if not isinstance(steps, tuple) or not steps or not isinstance(steps[0], tuple):
+            continue
+        first = tuple(t.narrow(axis, t.shape[axis] - width, width) if isinstance(t, torch.Tensor)
+                      and t.shape[axis] > width else t for t in steps[0])
+        setattr(out, name, (first, *steps[1:]))
+    return out
 
 
 def _call_input_ids(args: tuple, kwargs: dict):

@@ -387,6 +387,35 @@ def test_the_multi_turn_recipe_passing_the_returned_cache_back_leaves_nothing_us
         assert s["num_used_pages"] == 0 and s["prefix_hit_tokens"] > 0  # the second turn reused the first
 
 
+@pytest.mark.parametrize("edit", [None, 14], ids=["same-tokens", "a-generated-token-edited"])
+def test_hidden_states_and_attentions_of_a_turn_on_the_returned_cache_cover_stocks_positions(edit):
+    # stock's cache holds the first turn's K/V, so its first forward covers only the columns after them; the
+    # patched call, which recomputes the prompt for per-position outputs, had returned every column
+    model = tiny_model("llama", attn_implementation="eager")
+    ids, mask = left_padded_batch([12, 7], seed=1)
+    more = torch.randint(3, 96, (2, 3), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+
+    def turns():
+        out = model.generate(ids, attention_mask=mask, **kw)
+        seq = torch.cat([out.sequences, more], 1)
+        if edit is not None:
+            seq[0, edit] = (seq[0, edit] + 1) % 96
+        m = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        return model.generate(seq, attention_mask=m, past_key_values=out.past_key_values, output_hidden_states=True,
+                              output_attentions=True, **kw)
+
+    ref = turns()
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        got = turns()
+        assert _used(astrai_hf.get_pool(model)) == 0
+    assert torch.equal(got.sequences, ref.sequences)
+    for name in ("hidden_states", "attentions"):
+        for step, ref_step in zip(getattr(got, name), getattr(ref, name)):
+            for a, b in zip(step, ref_step):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("edit", ["a prompt token", "a generated token", "nothing"])
 def test_the_returned_cache_passed_back_with_other_tokens_in_its_columns_gives_stocks_tokens(edit):
     # a chat template tokenizes the earlier answer otherwise than it was generated: stock's returned cache still
