@@ -10,7 +10,10 @@ File layout (one ``.safetensors`` file)::
                            parameter's and buffer's name, shape, dtype and mixed sums of its bytes, see
                            weights_fingerprint), config (a blake2b digest of the config fields that change what the
                            layers compute)
-              index    JSON list, parents before children: [parent_position or -1, [token ids, page_size or fewer]]
+              index    JSON list, parents before children: [parent_position or -1, [token ids, page_size or fewer]];
+                       only an entry of page_size tokens has children
+              kv_digest  blake2b digest of the bytes of k.0, v.0, k.1, ... in that order (checked on load: a file
+                       whose K/V bytes were damaged is refused instead of serving wrong prefixes)
 """
 
 from __future__ import annotations
@@ -283,6 +286,7 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         "version": VERSION,
         "fingerprint": json.dumps(fingerprint(pool, model), sort_keys=True),
         "index": json.dumps(index),
+        "kv_digest": _kv_digest(tensors[f"{name}.{layer}"] for layer in range(pool.num_layers) for name in "kv"),
     }
     save_file(tensors, str(path), metadata=metadata)
     return len(nodes)
@@ -336,6 +340,11 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
             raise ValueError(f"{path} was saved for a different model or pool; refusing to load it ({'; '.join(diff)})")
         index = _read_index(path, meta, pool.page_size)
         _check_tensors(path, f, pool, len(index))
+        if "kv_digest" in meta:  # (files of earlier releases have none)
+            names = [f"{name}.{layer}" for layer in range(pool.num_layers) for name in "kv"]
+            if _kv_digest(f.get_tensor(name) for name in names) != meta["kv_digest"]:
+                raise ValueError(f"{path}: the K/V data do not match the digest saved with them (the file is "
+                                 "damaged); refusing to load it")
         pool.check_weights(model)  # cached pages of weights changed since must not shadow the file's
         cache, alloc, ps = pool.prefix_cache, pool.allocator, pool.page_size
         nodes: list = [None] * len(index)
@@ -378,6 +387,14 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     return len(placed)
 
 
+def _kv_digest(tensors) -> str:
+    """blake2b hex digest of the bytes of ``tensors`` (CPU, contiguous), in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 def _slots_by_device(pages: list[int], page_size: int):
     """A function of a device giving the slots of ``pages`` (every slot of each, page after page) as an int64
     tensor there, built once per device (a pool under a ``device_map`` spans several)."""
@@ -415,6 +432,9 @@ def _read_index(path: Path, meta: dict, page_size: int) -> list[tuple[int, tuple
             raise ValueError(f"{path}: entry {i} names parent {parent_pos}; a parent must come before its children")
         if not 0 < len(tokens) <= page_size:
             raise ValueError(f"{path}: entry {i} holds {len(tokens)} tokens; page_size is {page_size}")
+        if parent_pos >= 0 and len(index[parent_pos][1]) < page_size:
+            raise ValueError(f"{path}: entry {i} continues entry {parent_pos}, which holds "
+                             f"{len(index[parent_pos][1])} of {page_size} tokens (only a full page has children)")
         index.append((parent_pos, tuple(tokens)))
     return index
 
