@@ -56,7 +56,15 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
         return False
     B, q = input_ids.shape
     real = sum(s - p for s, p in zip(step.seq_lens[:: step.group], step.prev_lens[:: step.group]))
-    return (drop_padding and real < B * q) or (chunk_tokens is not None and real > chunk_tokens)
+    if not ((drop_padding and real < B * q) or (chunk_tokens is not None and real > chunk_tokens)):
+        return False
+    # an id outside the vocabulary under the mask (a pad token added to the tokenizer, the embeddings not
+    # resized): the rectangle embeds it, and fails, as stock does; packed, it would never be read
+    try:
+        size = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        size = None
+    return not isinstance(size, int) or bool(0 <= input_ids.min() and input_ids.max() < size)
 
 
 def packed_forward(forward, kwargs: dict, cache, state, step: StepMetadata, input_ids: torch.Tensor,

@@ -89,6 +89,20 @@ def test_fallback_when_hidden_states_are_asked_for(spy):
     assert out.hidden_states[0][-1].shape == ref.hidden_states[0][-1].shape  # every prompt position
 
 
+@pytest.mark.parametrize("pad", [-100, 96 + 5], ids=["negative", "past-the-vocabulary"])
+def test_a_masked_pad_id_outside_the_vocabulary_fails_as_stock_does(spy, pad):
+    # a pad token added to the tokenizer without resizing the embeddings: stock embeds the padding and raises;
+    # packed, the padding was never read and the call ran
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 11], seed=4)
+    ids = ids.masked_fill(mask == 0, pad)
+    with pytest.raises(IndexError):
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+    with pytest.raises(IndexError):
+        _generate(model, ids, mask, max_new_tokens=2)
+    assert spy["packed"] == 0
+
+
 def test_fallback_for_a_family_not_known_to_be_position_wise(spy, monkeypatch):
     monkeypatch.setattr(astrai_hf.patches, "PACKED_PREFILL", astrai_hf.patches.PACKED_PREFILL - {"llama"})
     model = tiny_model("llama")
