@@ -887,6 +887,8 @@ def _wrap_forward(owner, forward, state: PatchState):
             cache.pool.check_weights(model)
             cache.checked_model = id(model)
             cache.check_prefix_hits()
+        if not cache.made_by_generate and not cache._first_step_planned:
+            _sync_windows(state)  # a cache of the caller's starts: the config may have changed since the last call
         if kwargs.get("output_attentions") or (kwargs.get("output_attentions") is None
                                                and getattr(model.config, "output_attentions", False)):
             # attention weights asked for (a cache of the caller's; generate() marks its own stock_attention):
@@ -1388,7 +1390,12 @@ def _sync_modules(model, state: PatchState) -> None:
         _attach_modules(model, state, modules)
         _close_runners(state)  # captured over the modules that left
         logger.info("%s: its attention modules changed since patch(); patched the new ones", type(model).__name__)
-    windows = _config_windows(modules)
+    _sync_windows(state, modules)
+
+
+def _sync_windows(state: PatchState, modules=None) -> None:
+    """Read again the sliding window each attention module's config gives (see :func:`_config_windows`)."""
+    windows = _config_windows(state.modules if modules is None else modules)
     if windows != state.windows:
         _close_runners(state)  # captured with the windows of before
         state.windows = windows
@@ -1401,53 +1408,95 @@ def _close_runners(state: PatchState) -> None:
 
 
 def _config_windows(modules) -> dict[int, int | None]:
-    """The sliding window of each attention module whose own ``sliding_window`` no longer agrees with its config,
-    by ``id(module)``: the window stock sdpa and eager attention apply (through the mask that the model's forward
-    builds from ``config.sliding_window`` for the layers ``config.layer_types`` names ``sliding_attention``), where
-    the module hands the attention function the window its ``__init__`` copied from the config (Qwen2, Gemma 2 and
-    3, and their kin) and the config was edited since, or the attribute was set by hand. Modules that read the
-    config at each forward (Mistral) are never listed."""
+    """The sliding window of each attention module whose window no longer agrees with its config, by
+    ``id(module)``: the window stock sdpa and eager attention apply through the mask the model's forward builds
+    from ``config.sliding_window`` (for the layers ``config.layer_types`` names ``sliding_attention``, or for every
+    layer in a config without layer types), where the module hands the attention function a window its
+    ``__init__`` copied from the config (Qwen2, Gemma 2 and 3, EXAONE 4, Qwen3-MoE and their kin) and the config
+    was edited since, or the attribute was set by hand. Modules that read the config at each forward (Mistral)
+    are never listed."""
     windows = {}
     for m in modules:
-        config = getattr(m, "config", None)
-        types = getattr(config, "layer_types", None)
-        index = getattr(m, "layer_idx", None)
-        if (not isinstance(types, (list, tuple)) or not isinstance(index, int) or not 0 <= index < len(types)
-                or not _window_copied_from_config(type(m))):
+        copied = _window_copied_from_config(type(m))
+        config, index = getattr(m, "config", None), getattr(m, "layer_idx", None)
+        if copied is None or config is None or not isinstance(index, int):
             continue
-        window = getattr(config, "sliding_window", None) if types[index] == "sliding_attention" else None
-        if window != getattr(m, "sliding_window", None):
+        by_layer_type, flag = copied
+        types = getattr(config, "layer_types", None)
+        if by_layer_type != isinstance(types, (list, tuple)) or (by_layer_type and not 0 <= index < len(types)):
+            continue  # (a window for every layer, in a config that has layer types: unknown ground)
+        window = getattr(config, "sliding_window", None)
+        if by_layer_type and types[index] != "sliding_attention":
+            window = None
+        passed = getattr(m, "sliding_window", None)
+        if flag is not None and not getattr(m, flag, False):
+            passed = None
+        if window != passed:
             windows[id(m)] = window
     return windows
 
 
 @functools.cache
-def _window_copied_from_config(cls: type) -> bool:
-    """Whether ``cls.__init__`` sets ``self.sliding_window = config.sliding_window if <the layer is
-    "sliding_attention"> else None`` and its forward hands ``sliding_window=self.sliding_window`` to the attention
-    function."""
+def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
+    """How ``cls`` hands the attention function a window copied from the config in ``__init__``:
+    ``(by_layer_type, flag)``, or None when it does not (it reads the config at each forward, or the source is
+    unknown). ``__init__`` sets ``self.sliding_window`` once, from ``config.sliding_window``, and the forward passes
+
+    - ``sliding_window=self.sliding_window``, set ``config.sliding_window if <"sliding_attention" layer> else
+      None``: ``(True, None)``;
+    - ``sliding_window=self.sliding_window if self.<flag> else None``, ``self.<flag>`` set from a
+      ``"sliding_attention"`` test: ``(True, flag)``;
+    - ``sliding_window=self.sliding_window``, set to the config's value for every layer: ``(False, None)``."""
     init = next((vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)), None)
     found = _attention_calls(cls)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
     except (OSError, TypeError, SyntaxError):
-        return False
+        return None
     if not found or not (calls := [c for _, cs in found for c in cs if not _is_super_forward(c)]):
-        return False
+        return None
 
-    def is_self_window(node) -> bool:
-        return (isinstance(node, ast.Attribute) and node.attr == "sliding_window" and isinstance(node.value, ast.Name)
-                and node.value.id == "self")
+    def self_attr(node, name=None) -> str | None:
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and (name is None or node.attr == name)):
+            return node.attr
+        return None
 
-    def from_layer_type(node) -> bool:
-        return (isinstance(node, ast.IfExp) and isinstance(node.body, ast.Attribute)
-                and node.body.attr == "sliding_window" and isinstance(node.orelse, ast.Constant)
-                and node.orelse.value is None
-                and any(isinstance(c, ast.Constant) and c.value == "sliding_attention" for c in ast.walk(node.test)))
+    def config_window(node) -> bool:  # config.sliding_window, getattr(config, "sliding_window"[, default])
+        if isinstance(node, ast.Attribute):
+            return node.attr == "sliding_window" and isinstance(node.value, ast.Name) and node.value.id == "config"
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == "config"
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value == "sliding_window")
 
-    sets = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and any(map(is_self_window, n.targets))]
-    passes = all(any(k.arg == "sliding_window" and is_self_window(k.value) for k in c.keywords) for c in calls)
-    return len(sets) == 1 and from_layer_type(sets[0]) and passes
+    def sliding_test(node) -> bool:
+        return any(isinstance(c, ast.Constant) and c.value == "sliding_attention" for c in ast.walk(node))
+
+    def if_else_none(node) -> bool:
+        return isinstance(node, ast.IfExp) and isinstance(node.orelse, ast.Constant) and node.orelse.value is None
+
+    assigned: dict[str, list] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign):
+            for target in n.targets:
+                if self_attr(target):
+                    assigned.setdefault(target.attr, []).append(n.value)
+    sets = assigned.get("sliding_window", [])
+    if len(sets) != 1:
+        return None
+    (value,) = sets
+    passed = {ast.dump(k.value) for c in calls for k in c.keywords if k.arg == "sliding_window"}
+    if len(passed) != 1 or not all(any(k.arg == "sliding_window" for k in c.keywords) for c in calls):
+        return None
+    arg = next(k.value for c in calls for k in c.keywords if k.arg == "sliding_window")
+    if self_attr(arg, "sliding_window"):
+        if if_else_none(value) and config_window(value.body) and sliding_test(value.test):
+            return True, None
+        return (False, None) if config_window(value) else None
+    if (if_else_none(arg) and self_attr(arg.body, "sliding_window") and (flag := self_attr(arg.test))
+            and config_window(value) and len(assigned.get(flag, [])) == 1 and sliding_test(assigned[flag][0])):
+        return True, flag
+    return None
 
 
 def _rebuild_pool(model, state: PatchState) -> None:

@@ -12,8 +12,9 @@ File layout (one ``.safetensors`` file)::
                            layers compute)
               index    JSON list, parents before children: [parent_position or -1, [token ids, page_size or fewer]];
                        only an entry of page_size tokens has children
-              kv_digest  blake2b digest of the bytes of k.0, v.0, k.1, ... in that order (checked on load: a file
-                       whose K/V bytes were damaged is refused instead of serving wrong prefixes)
+              kv_digest  blake2b digest of the index text, then of the bytes of k.0, v.0, k.1, ... in that order
+                       (checked on load: a file whose index or K/V were damaged is refused instead of serving
+                       wrong prefixes)
 """
 
 from __future__ import annotations
@@ -281,12 +282,14 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         # [pages, page_size, H_kv, D] in the file, gathered head by head from the head-major pool
         tensors[f"k.{layer}"] = gather_kv(k, slots, len(nodes), ps).transpose(1, 2).cpu().contiguous()
         tensors[f"v.{layer}"] = gather_kv(v, slots, len(nodes), ps).transpose(1, 2).cpu().contiguous()
+    index_text = json.dumps(index)
+    names = [f"{name}.{layer}" for layer in range(pool.num_layers) for name in "kv"]
     metadata = {
         "format": FORMAT,
         "version": VERSION,
         "fingerprint": json.dumps(fingerprint(pool, model), sort_keys=True),
-        "index": json.dumps(index),
-        "kv_digest": _kv_digest(tensors[f"{name}.{layer}"] for layer in range(pool.num_layers) for name in "kv"),
+        "index": index_text,
+        "kv_digest": _kv_digest(index_text, (tensors[name] for name in names)),
     }
     save_file(tensors, str(path), metadata=metadata)
     return len(nodes)
@@ -342,9 +345,9 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         _check_tensors(path, f, pool, len(index))
         if "kv_digest" in meta:  # (files of earlier releases have none)
             names = [f"{name}.{layer}" for layer in range(pool.num_layers) for name in "kv"]
-            if _kv_digest(f.get_tensor(name) for name in names) != meta["kv_digest"]:
-                raise ValueError(f"{path}: the K/V data do not match the digest saved with them (the file is "
-                                 "damaged); refusing to load it")
+            if _kv_digest(meta["index"], (f.get_tensor(name) for name in names)) != meta["kv_digest"]:
+                raise ValueError(f"{path}: the index and K/V data do not match the digest saved with them (the "
+                                 "file is damaged); refusing to load it")
         pool.check_weights(model)  # cached pages of weights changed since must not shadow the file's
         cache, alloc, ps = pool.prefix_cache, pool.allocator, pool.page_size
         nodes: list = [None] * len(index)
@@ -387,9 +390,9 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     return len(placed)
 
 
-def _kv_digest(tensors) -> str:
-    """blake2b hex digest of the bytes of ``tensors`` (CPU, contiguous), in order."""
-    h = hashlib.blake2b(digest_size=16)
+def _kv_digest(index: str, tensors) -> str:
+    """blake2b hex digest of the index (its JSON text) and of the bytes of ``tensors`` (CPU), in order."""
+    h = hashlib.blake2b(index.encode(), digest_size=16)
     for t in tensors:
         h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
     return h.hexdigest()

@@ -700,6 +700,8 @@ _BROKEN = {
                                               "is not \\[parent, \\[token ids\\]\\]"),
     # a file damaged in its K/V bytes (header intact) had loaded and served wrong prefixes
     "damaged K/V bytes": (lambda t, m: t["v.1"][1, 2].add_(0.5), "do not match the digest"),
+    "a token of the index changed": (lambda t, m: m["index"][1][1].__setitem__(0, m["index"][1][1][0] ^ 1),
+                                     "do not match the digest"),
     "a partly filled page with a child": (lambda t, m: m["index"][0].__setitem__(1, m["index"][0][1][:5]),
                                           "only a full page has children"),
     "a fingerprint from before the config was in it": (lambda t, m: m["fingerprint"].pop("config"),

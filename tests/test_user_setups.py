@@ -690,7 +690,30 @@ def _window_set_on_modules(model):
         layer.self_attn.sliding_window = 2  # stock's sdpa reads the window from the config's mask, not from here
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3"])
+def _window_model(arch):
+    """A tiny model of a family whose attention modules copy the sliding window from the config in __init__."""
+    extra = {
+        "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM, dict(
+            num_key_value_heads=2, num_hidden_layers=3, sliding_window=5,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+            num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=5, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32)),
+    }
+    if arch not in extra:
+        return tiny_model(arch)
+    import tiny_models
+
+    config_cls, model_cls, kwargs = extra[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**tiny_models._COMMON, **kwargs})).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3.0)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = tiny_models.PAD, None
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3", "exaone4", "qwen3_moe"])
 @pytest.mark.parametrize("edit", [
     lambda m: setattr(m.config, "sliding_window", 2), lambda m: setattr(m.config, "sliding_window", 12),
     _all_full, _window_set_on_modules,
@@ -699,7 +722,9 @@ def _window_set_on_modules(model):
 def test_a_window_copied_by_the_attention_modules_follows_a_config_edited_since(arch, edit, before_patch):
     # these families copy config.sliding_window into each attention module once, in __init__; stock sdpa applies
     # the config's window (through the mask) at every forward
-    model = tiny_model(arch)
+    model = _window_model(arch)
+    if edit is _all_full and getattr(model.config, "layer_types", None) is None:
+        pytest.skip(f"{arch} has no layer types")
     ids, mask = left_padded_batch([20, 35, 18], seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
     before = model.generate(ids, **kw)
@@ -710,11 +735,15 @@ def test_a_window_copied_by_the_attention_modules_follows_a_config_edited_since(
         if not before_patch:
             edit(model)
         out = model.generate(ids, **kw)
-        assert _used(astrai_hf.get_pool(model)) == 0
+        pool = astrai_hf.get_pool(model)
+        with PagedCache(pool, ids, mask) as cache:  # a cache of the caller's: its first forward reads the windows
+            mine = model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache})
+        assert torch.equal(model.generate(ids, **kw), out)  # what the prefix cache then serves
+        assert _used(pool) == 0
     ref = model.generate(ids, **kw)
     if edit is not _window_set_on_modules:
         assert not torch.equal(ref, before)  # the edit matters to stock
-    assert torch.equal(out, ref)
+    assert torch.equal(out, ref) and torch.equal(mine, ref)
 
 
 def test_a_rope_switched_to_dynamic_after_patch_is_not_chunked():
