@@ -206,6 +206,10 @@ class DecodeGraphRunner:
             return False
         if any(kwargs.get(k) for k in ("output_hidden_states", "output_attentions")) or not last_logits_only(kwargs):
             return False
+        if kwargs.get("position_ids") is None and any(p != step.logical_len - 1 for p in step.prev_lens):
+            # padding, and positions of the model's own counting (the cache's length for most families, the
+            # mask's for OPT), which the workspace cannot know; generate() always passes them
+            return False
         return all(s - p == 1 for s, p in zip(step.seq_lens, step.prev_lens))
 
     def run(self, cache, step: StepMetadata, kwargs: dict, input_ids: torch.Tensor, state):

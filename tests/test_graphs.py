@@ -224,3 +224,35 @@ def test_a_decode_step_asking_for_logits_by_index_runs_eager_and_gets_them():
     assert got.shape == ref.shape == (2, 2, 96)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_hand_loop_without_positions_through_the_runner_gives_stocks_logits(arch, padded):
+    # the model counts positions itself (from the cache's length, padding included; OPT from the mask): the
+    # workspace had filled the rows' real lengths, other positions for a padded row (other tokens on gpt2)
+    from transformers import DynamicCache
+
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([2, 12] if padded else [12, 12], seed=0)
+
+    def loop(cache):
+        kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+        m, logits = mask, []
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=m, **kw)
+            for _ in range(6):
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                m = torch.cat([m, torch.ones_like(tok)], 1)
+                out = model(input_ids=tok, attention_mask=m, **kw)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits, 1)
+
+    want = loop(DynamicCache(config=model.config))
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4, prefix_cache=False)
+    with astrai_hf.patched(model, pool=pool, cuda_graphs=True), astrai_hf.PagedCache(pool) as cache:
+        got = loop(cache)
+        replays = _runner(model).replays
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (replays > 0) == (not padded)  # a padded batch with no positions runs eager
+    assert pool.stats()["num_used_pages"] == 0
