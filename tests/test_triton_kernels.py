@@ -89,6 +89,42 @@ def test_store_kv_writes_slots(memory):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+def test_store_kv_with_a_strided_slot_mapping():
+    # the kernel reads slot_mapping as a raw pointer: a strided view had written the trash slot instead
+    k_cache, v_cache = torch.zeros(12 * PAGE, 2, 8), torch.zeros(12 * PAGE, 2, 8)
+    slots = torch.tensor([5, 0, 17, 0, 3, 0], dtype=torch.long)[::2]
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    tk.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v) and not k_cache[0].any()
+
+
+_BAD_INPUTS = {
+    "heads not a multiple of the KV heads": (lambda q, rows, lens, w: (q[:, :3], rows, lens, w), "multiple of"),
+    "a strided query": (lambda q, rows, lens, w: (q.transpose(1, 2).contiguous().transpose(1, 2), rows, lens, w),
+                        "query of shape"),
+    "strided seq_lens": (lambda q, rows, lens, w: (q, rows, torch.stack([lens, lens], 1)[:, 0], w), "seq_lens"),
+    "strided req_rows": (lambda q, rows, lens, w: (q, torch.stack([rows, rows], 1)[:, 0], lens, w), "req_rows"),
+    "a window of 0": (lambda q, rows, lens, w: (q, rows, lens, 0), "sliding_window must be a positive"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_INPUTS))
+@pytest.mark.parametrize("kernel", ["decode", "extend"])
+def test_kernels_refuse_inputs_their_pointers_would_misread(case, kernel):
+    # they had computed silently wrong outputs (or NaN) for each of these
+    k_cache, v_cache, _, _, meta, _ = _build([9, 2], [1, 1], 1, 2, 8, PAGE, torch.float32, 5)
+    edit, message = _BAD_INPUTS[case]
+    n = 1 if kernel == "decode" else 2
+    query = torch.randn(2 * n, 4, 8) if kernel == "extend" else torch.randn(2, 4, 8)
+    query, rows, lens, window = edit(query, meta.req_rows, torch.tensor([10, 3], dtype=torch.int32), None)
+    with pytest.raises(ValueError, match=message):
+        if kernel == "decode":
+            tk.decode_attention(query, k_cache, v_cache, meta.table, rows, lens, scaling=0.5, sliding_window=window)
+        else:
+            tk.extend_attention(query, k_cache, v_cache, meta.table, rows, lens,
+                                torch.tensor([0, 2, 4], dtype=torch.int32), 2, scaling=0.5, sliding_window=window)
+
+
 def test_decode_grid_does_not_depend_on_lengths():
     """The same launch serves growing lengths (what CUDA-graph replay needs): only the device buffers change."""
     k_cache, v_cache, _, _, meta, _ = _build([9, 2], [1, 1], 1, 2, 8, PAGE, torch.float32, 5)

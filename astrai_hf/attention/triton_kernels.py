@@ -37,6 +37,26 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return k_cache.stride(0), k_cache.stride(1)
 
 
+def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
+                            **index: torch.Tensor) -> None:
+    """The kernels index raw pointers: refuse inputs their offsets would misread.
+
+    Raises:
+        ValueError: ``query`` is not contiguous, its heads are not a multiple of ``k_cache``'s, the window is not
+            positive, or an index tensor (``index``, by name) is not contiguous.
+    """
+    H, H_kv = query.shape[1], k_cache.shape[1]
+    if H % H_kv:
+        raise ValueError(f"query has {H} heads, not a multiple of the cache's {H_kv} KV heads")
+    if not query.is_contiguous():
+        raise ValueError(f"query of shape {tuple(query.shape)} must be contiguous, got strides {query.stride()}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+    for name, t in index.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot, stride_head,
                      H_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -59,7 +79,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if n == 0:
         return
     stride_slot, stride_head = _cache_strides(k_cache, v_cache)
-    _store_kv_kernel[(n, H_kv)](key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping,
+    _store_kv_kernel[(n, H_kv)](key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping.contiguous(),
                                 stride_slot, stride_head, H_KV=H_kv, D=D, BLOCK_D=triton.next_power_of_2(D))
 
 
@@ -171,7 +191,12 @@ def decode_attention(
 
     Returns:
         [B, H, D] float32.
+
+    Raises:
+        ValueError: a non-contiguous ``query``, ``req_rows`` or ``seq_lens``; H not a multiple of H_kv; a window
+            below 1.
     """
+    _check_attention_inputs(query, k_cache, sliding_window, req_rows=req_rows, seq_lens=seq_lens)
     B, H, D = query.shape
     H_kv = k_cache.shape[1]
     group = H // H_kv
@@ -281,7 +306,12 @@ def extend_attention(
 
     Returns:
         [N, H, D] float32.
+
+    Raises:
+        ValueError: as :func:`decode_attention`, and for a non-contiguous ``qo_indptr``.
     """
+    _check_attention_inputs(query, k_cache, sliding_window, req_rows=req_rows, seq_lens=seq_lens,
+                            qo_indptr=qo_indptr)
     N, H, D = query.shape
     H_kv = k_cache.shape[1]
     B = req_rows.shape[0]
