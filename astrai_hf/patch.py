@@ -1114,7 +1114,12 @@ def _wrap_generate(owner, generate, state: PatchState):
                 return _continue_held_tokens(model, state, held, args, kwargs, config)
             width = _columns_after_held(held, args, kwargs, config)
             if width is not None:  # stock computes only the columns after its cache's: so many per-position outputs
-                return _first_step_outputs_cut(_paged_generate(model, *args, **kwargs), width)
+                return _first_step_outputs_cut(_generate_with(model, given, args, kwargs, config, passed), width)
+        return _generate_with(model, given, args, kwargs, config, passed)
+
+    # (not a part of _paged_generate calling it again: a closure calling itself is a reference cycle, which would
+    # keep this state, and the pool's K/V memory, alive until the garbage collector runs)
+    def _generate_with(model, given, args, kwargs, config, passed):
         if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
                 kwargs, config) or (model.training and dropout_active(model)) or _own_attention(state) is not None):
             # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
