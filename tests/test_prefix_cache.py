@@ -588,11 +588,18 @@ def test_a_hand_loop_feeding_the_whole_prompt_to_a_pre_filled_cache_is_refused(l
 
 
 @pytest.mark.parametrize("patched", [False, True])
+@torch.no_grad()
 def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt_is_not_refused(llama, patched):
     # a cache built with a 9-token system prompt holds its first 8 columns; a 17-token prompt starting with it
     # leaves 9 to compute, as many as the system prompt: that is a continuation, not the prompt fed again
+    import transformers
+    from packaging.version import Version
     from transformers import DynamicCache
 
+    if not patched and Version(transformers.__version__) < Version("5.24"):
+        # an unpatched model's cache sees the forward only through update(), which 5.17 hands no positions: with
+        # neither ids nor positions it cannot tell the two apart, and refuses (a patched forward hands it the ids)
+        pytest.skip("this transformers release hands update() no position_ids")
     pool = _pool(llama, max_tokens=256, page_size=4)
     system = _tokens(9, seed=52)[None]
     _generate(llama, pool, system, torch.ones_like(system), max_new_tokens=2)
