@@ -286,8 +286,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         if model.__dict__.get(_STATE_ATTR) is not state:
             return given  # another thread's unpatch() took it off meanwhile
         _uninstall(model, state)
-    for runner in state.runners.values():
-        runner.close()
+    _close_runners(state)
     logger.info("unpatched %s", type(model).__name__)
     return given
 
@@ -1490,10 +1489,10 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     if len(sets) != 1:
         return None
     (value,) = sets
-    passed = {ast.dump(k.value) for c in calls for k in c.keywords if k.arg == "sliding_window"}
-    if len(passed) != 1 or not all(any(k.arg == "sliding_window" for k in c.keywords) for c in calls):
-        return None
-    arg = next(k.value for c in calls for k in c.keywords if k.arg == "sliding_window")
+    args = [k.value for c in calls for k in c.keywords if k.arg == "sliding_window"]
+    if len(args) != len(calls) or len({ast.dump(a) for a in args}) != 1:
+        return None  # a call without the keyword, or calls that pass different windows
+    arg = args[0]
     if self_attr(arg, "sliding_window"):
         if if_else_none(value) and config_window(value.body) and sliding_test(value.test):
             return True, None
