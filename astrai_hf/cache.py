@@ -483,7 +483,8 @@ class PagedCache(Cache):
         all-reduce of 5 integers: when planning fails on any rank, every rank releases its cache and raises (see
         :meth:`astrai_hf.distributed.RankGroup.agree`), so none is left waiting in the model's next collective.
         """
-        if not self._first_step_planned and self.logical_len and self._refeeds_prompt(q_len, input_ids, position_ids):
+        if (not self._first_step_planned and self.logical_len
+                and self._refeeds_prompt(q_len, input_ids, position_ids, attention_mask)):
             raise ValueError(
                 f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {q_len} columns from the "
                 f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
@@ -504,19 +505,27 @@ class PagedCache(Cache):
         self.step_saw_positions = False  # whether the layers passed update() this step's position_ids
         return step
 
-    def _refeeds_prompt(self, q_len: int, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None) -> bool:
+    def _refeeds_prompt(self, q_len: int, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                        attention_mask: torch.Tensor | None = None) -> bool:
         """Whether a pre-filled cache's first forward feeds the whole prompt it was built with again: as wide as that
-        prompt and holding its tokens (or, given positions only, ending at its last position). A longer prompt whose
-        uncached columns happen to be as many is not refused."""
+        prompt, with positions ending at its last position (or, without positions, a mask no wider than it and the
+        prompt's tokens). A longer prompt whose uncached columns happen to be as many, even holding the same tokens,
+        is not refused."""
         if q_len != self._prompt_width:
             return False
         pads, prompt = self._prompt_pads, self._prompt_ids
+        if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                and attention_mask.shape[1] == self.logical_len + q_len):
+            return False  # a mask over the cached columns and these: a continuation
+        # positions first: a prompt whose uncached columns repeat the cached tokens is told apart by them
+        if (position_ids is not None and position_ids.dim() == 2 and position_ids.shape[1] == q_len
+                and position_ids.shape[0] % len(pads) == 0):
+            group = position_ids.shape[0] // len(pads)  # rows expanded per prompt (num_return_sequences, beams)
+            return all(pos == q_len - 1 - p for pos, p in zip(position_ids[::group, -1].tolist(), pads))
         if input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] % len(prompt) == 0:
-            group = input_ids.shape[0] // len(prompt)  # rows expanded per prompt (num_return_sequences, beams)
+            group = input_ids.shape[0] // len(prompt)
             rows = input_ids[::group].tolist()
             return all(row[p:] == ids for row, p, ids in zip(rows, pads, prompt))
-        if position_ids is not None and position_ids.dim() == 2 and position_ids.shape == (len(pads), q_len):
-            return all(pos == q_len - 1 - p for pos, p in zip(position_ids[:, -1].tolist(), pads))
         return True
 
     def mask_has_holes(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> bool:

@@ -1223,10 +1223,15 @@ def _columns_after_held(held, args: tuple, kwargs: dict, config) -> int | None:
     its first forward, and the per-position outputs of it, cover only the columns after them), else None."""
     if held is None or not (_get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
         return None
-    prompt = _prompt_and_mask(args, kwargs, config)
-    if prompt is None or prompt[0].shape[1] <= held[0].shape[1]:
-        return None
-    return prompt[0].shape[1] - held[0].shape[1]
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+        width = embeds.shape[1]  # [B, T, hidden]: stock's first forward is fed the columns after L of these
+    else:
+        prompt = _prompt_and_mask(args, kwargs, config)
+        if prompt is None:
+            return None
+        width = prompt[0].shape[1]
+    return width - held[0].shape[1] if width > held[0].shape[1] else None
 
 
 def _first_step_outputs_cut(out, width: int):

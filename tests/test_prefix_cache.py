@@ -587,11 +587,14 @@ def test_a_hand_loop_feeding_the_whole_prompt_to_a_pre_filled_cache_is_refused(l
     _assert_pool_idle(pool)
 
 
+@pytest.mark.parametrize("repeating", [False, True], ids=["other-tokens", "the-system-prompts-tokens"])
 @pytest.mark.parametrize("patched", [False, True])
 @torch.no_grad()
-def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt_is_not_refused(llama, patched):
+def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt_is_not_refused(llama, patched,
+                                                                                                repeating):
     # a cache built with a 9-token system prompt holds its first 8 columns; a 17-token prompt starting with it
-    # leaves 9 to compute, as many as the system prompt: that is a continuation, not the prompt fed again
+    # leaves 9 to compute, as many as the system prompt: that is a continuation, not the prompt fed again, even
+    # when those 9 are the system prompt's very tokens (a prompt repeating one token), which had been refused
     import transformers
     from packaging.version import Version
     from transformers import DynamicCache
@@ -601,7 +604,7 @@ def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt
         # neither ids nor positions it cannot tell the two apart, and refuses (a patched forward hands it the ids)
         pytest.skip("this transformers release hands update() no position_ids")
     pool = _pool(llama, max_tokens=256, page_size=4)
-    system = _tokens(9, seed=52)[None]
+    system = torch.full((1, 9), 7) if repeating else _tokens(9, seed=52)[None]
     _generate(llama, pool, system, torch.ones_like(system), max_new_tokens=2)
     ones = torch.ones(1, 17, dtype=torch.long)
     with contextlib.ExitStack() as stack:
@@ -610,7 +613,8 @@ def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt
         with PagedCache(pool, system, torch.ones_like(system)) as cache:
             start = cache.get_seq_length()
             assert start == 8
-            prompt = torch.cat([system, _tokens(start, seed=53)[None]], 1)
+            prompt = torch.cat([system, system[:, :start] if repeating else _tokens(start, seed=53)[None]], 1)
+            assert torch.equal(prompt[:, start:], system) == repeating
             stock = DynamicCache()
             llama(input_ids=prompt[:, :start], **{_kw(llama): stock})
             want = llama(input_ids=prompt[:, start:], **{_kw(llama): stock}).logits
@@ -621,6 +625,11 @@ def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt
             got = llama(inputs_embeds=embeds, position_ids=torch.arange(start, 17)[None], attention_mask=ones,
                         **{_kw(llama): cache}).logits
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        with PagedCache(pool, system, torch.ones_like(system)) as cache:  # through generate()
+            got = llama.generate(prompt, attention_mask=ones, max_new_tokens=3, do_sample=False,
+                                 **{_kw(llama): cache})
+        assert torch.equal(got, llama.generate(prompt, attention_mask=ones, max_new_tokens=3, do_sample=False,
+                                               **{_kw(llama): DynamicCache()}))
         with PagedCache(pool, system, torch.ones_like(system)) as cache:  # the system prompt fed again: refused
             with pytest.raises(ValueError, match="pre-filled with 8 of the prompt's 9 columns"):
                 llama(inputs_embeds=llama.get_input_embeddings()(system), position_ids=torch.arange(9)[None],

@@ -387,7 +387,7 @@ def test_the_multi_turn_recipe_passing_the_returned_cache_back_leaves_nothing_us
         assert s["num_used_pages"] == 0 and s["prefix_hit_tokens"] > 0  # the second turn reused the first
 
 
-@pytest.mark.parametrize("edit", [None, 14], ids=["same-tokens", "a-generated-token-edited"])
+@pytest.mark.parametrize("edit", [None, 14, "embeds"], ids=["same-tokens", "a-generated-token-edited", "embeds"])
 def test_hidden_states_and_attentions_of_a_turn_on_the_returned_cache_cover_stocks_positions(edit):
     # stock's cache holds the first turn's K/V, so its first forward covers only the columns after them; the
     # patched call, which recomputes the prompt for per-position outputs, had returned every column
@@ -399,10 +399,11 @@ def test_hidden_states_and_attentions_of_a_turn_on_the_returned_cache_cover_stoc
     def turns():
         out = model.generate(ids, attention_mask=mask, **kw)
         seq = torch.cat([out.sequences, more], 1)
-        if edit is not None:
+        if isinstance(edit, int):
             seq[0, edit] = (seq[0, edit] + 1) % 96
         m = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
-        return model.generate(seq, attention_mask=m, past_key_values=out.past_key_values, output_hidden_states=True,
+        fed = dict(inputs_embeds=model.get_input_embeddings()(seq).detach()) if edit == "embeds" else dict(inputs=seq)
+        return model.generate(**fed, attention_mask=m, past_key_values=out.past_key_values, output_hidden_states=True,
                               output_attentions=True, **kw)
 
     ref = turns()
