@@ -60,11 +60,20 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
         return False
     # an id outside the vocabulary under the mask (a pad token added to the tokenizer, the embeddings not
     # resized): the rectangle embeds it, and fails, as stock does; packed, it would never be read
+    return not ids_outside_vocabulary(model, input_ids)
+
+
+def ids_outside_vocabulary(model, input_ids: torch.Tensor) -> bool:
+    """Whether ``input_ids`` (any shape, integer) hold an id outside ``[0, num_embeddings)`` of the model's input
+    embeddings, which stock's forward fails on (``IndexError``) even under the mask: a step that skips such a
+    column (packed, or fed after a prefix-cache hit) must not run instead. False when the size is unknown. One host
+    read (a device sync)."""
     try:
         size = getattr(model.get_input_embeddings(), "num_embeddings", None)
     except (AttributeError, NotImplementedError):
         size = None
-    return not isinstance(size, int) or bool(0 <= input_ids.min() and input_ids.max() < size)
+    return isinstance(size, int) and input_ids.numel() > 0 and not bool(
+        0 <= input_ids.min() and input_ids.max() < size)
 
 
 def packed_forward(forward, kwargs: dict, cache, state, step: StepMetadata, input_ids: torch.Tensor,

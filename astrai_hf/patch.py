@@ -1634,7 +1634,10 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
     dropout = model.training and dropout_active(model)
-    plain = not (candidates or custom_inputs or autocast or rope_by_length or dropout
+    # an id outside the vocabulary, under the mask too: stock's forward embeds every column and fails; a prefix hit
+    # would feed only the columns after it
+    outside = input_ids is not None and packing.ids_outside_vocabulary(model, input_ids)
+    plain = not (candidates or custom_inputs or autocast or rope_by_length or dropout or outside
                  or _prefill_from_first_column(kwargs, config)
                  or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)

@@ -101,6 +101,13 @@ def test_a_masked_pad_id_outside_the_vocabulary_fails_as_stock_does(spy, pad):
     with pytest.raises(IndexError):
         _generate(model, ids, mask, max_new_tokens=2)
     assert spy["packed"] == 0
+    # the same prompts with a pad id in the vocabulary cached first: a prefix hit had skipped the padding and run
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=PAGE, prefix_cache=True)
+    _generate(model, ids.masked_fill(mask == 0, 0), mask, pool=pool, max_new_tokens=2)
+    assert pool.stats()["prefix_cache_pages"] > 0
+    for kwargs in (dict(), dict(do_sample=True, num_return_sequences=2)):
+        with pytest.raises(IndexError):
+            _generate(model, ids, mask, pool=pool, max_new_tokens=2, **kwargs)
 
 
 def test_fallback_for_a_family_not_known_to_be_position_wise(spy, monkeypatch):

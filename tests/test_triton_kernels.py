@@ -98,13 +98,17 @@ def test_store_kv_with_a_strided_slot_mapping():
     assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v) and not k_cache[0].any()
 
 
-_BAD_INPUTS = {
-    "heads not a multiple of the KV heads": (lambda q, rows, lens, w: (q[:, :3], rows, lens, w), "multiple of"),
-    "a strided query": (lambda q, rows, lens, w: (q.transpose(1, 2).contiguous().transpose(1, 2), rows, lens, w),
-                        "query of shape"),
-    "strided seq_lens": (lambda q, rows, lens, w: (q, rows, torch.stack([lens, lens], 1)[:, 0], w), "seq_lens"),
-    "strided req_rows": (lambda q, rows, lens, w: (q, torch.stack([rows, rows], 1)[:, 0], lens, w), "req_rows"),
-    "a window of 0": (lambda q, rows, lens, w: (q, rows, lens, 0), "sliding_window must be a positive"),
+_BAD_INPUTS = {  # edits of (query, req_rows, seq_lens, window, req_to_token)
+    "heads not a multiple of the KV heads": (lambda q, rows, lens, w, t: (q[:, :3], rows, lens, w, t), "multiple of"),
+    "a strided query": (lambda q, rows, lens, w, t: (q.transpose(1, 2).contiguous().transpose(1, 2), rows, lens, w,
+                                                      t), "query of shape"),
+    "strided seq_lens": (lambda q, rows, lens, w, t: (q, rows, torch.stack([lens, lens], 1)[:, 0], w, t), "seq_lens"),
+    "strided req_rows": (lambda q, rows, lens, w, t: (q, torch.stack([rows, rows], 1)[:, 0], lens, w, t), "req_rows"),
+    "a window of 0": (lambda q, rows, lens, w, t: (q, rows, lens, 0, t), "sliding_window must be a positive"),
+    "req_to_token with strided columns": (
+        lambda q, rows, lens, w, t: (q, rows, lens, w, t.repeat_interleave(2, 1)[:, ::2]), "req_to_token"),
+    "a column-major req_to_token": (lambda q, rows, lens, w, t: (q, rows, lens, w, t.t().contiguous().t()),
+                                    "req_to_token"),
 }
 
 
@@ -116,12 +120,14 @@ def test_kernels_refuse_inputs_their_pointers_would_misread(case, kernel):
     edit, message = _BAD_INPUTS[case]
     n = 1 if kernel == "decode" else 2
     query = torch.randn(2 * n, 4, 8) if kernel == "extend" else torch.randn(2, 4, 8)
-    query, rows, lens, window = edit(query, meta.req_rows, torch.tensor([10, 3], dtype=torch.int32), None)
+    query, rows, lens, window, table = edit(query, meta.req_rows, torch.tensor([10, 3], dtype=torch.int32), None,
+                                            meta.table)
+    assert torch.equal(table, meta.table)  # the same values, read otherwise
     with pytest.raises(ValueError, match=message):
         if kernel == "decode":
-            tk.decode_attention(query, k_cache, v_cache, meta.table, rows, lens, scaling=0.5, sliding_window=window)
+            tk.decode_attention(query, k_cache, v_cache, table, rows, lens, scaling=0.5, sliding_window=window)
         else:
-            tk.extend_attention(query, k_cache, v_cache, meta.table, rows, lens,
+            tk.extend_attention(query, k_cache, v_cache, table, rows, lens,
                                 torch.tensor([0, 2, 4], dtype=torch.int32), 2, scaling=0.5, sliding_window=window)
 
 

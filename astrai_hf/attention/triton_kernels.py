@@ -38,13 +38,17 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
 
 
 def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
-                            **index: torch.Tensor) -> None:
+                            req_to_token: torch.Tensor, **index: torch.Tensor) -> None:
     """The kernels index raw pointers: refuse inputs their offsets would misread.
 
     Raises:
         ValueError: ``query`` is not contiguous, its heads are not a multiple of ``k_cache``'s, the window is not
-            positive, or an index tensor (``index``, by name) is not contiguous.
+            positive, ``req_to_token``'s columns are not adjacent (its rows may be strided), or an index tensor
+            (``index``, by name) is not contiguous.
     """
+    if req_to_token.dim() != 2 or (req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1):
+        raise ValueError(f"req_to_token [rows, max_seq_len] must have adjacent columns (stride 1), got shape "
+                         f"{tuple(req_to_token.shape)} and strides {req_to_token.stride()}")
     H, H_kv = query.shape[1], k_cache.shape[1]
     if H % H_kv:
         raise ValueError(f"query has {H} heads, not a multiple of the cache's {H_kv} KV heads")
@@ -196,7 +200,7 @@ def decode_attention(
         ValueError: a non-contiguous ``query``, ``req_rows`` or ``seq_lens``; H not a multiple of H_kv; a window
             below 1.
     """
-    _check_attention_inputs(query, k_cache, sliding_window, req_rows=req_rows, seq_lens=seq_lens)
+    _check_attention_inputs(query, k_cache, sliding_window, req_to_token, req_rows=req_rows, seq_lens=seq_lens)
     B, H, D = query.shape
     H_kv = k_cache.shape[1]
     group = H // H_kv
@@ -310,7 +314,7 @@ def extend_attention(
     Raises:
         ValueError: as :func:`decode_attention`, and for a non-contiguous ``qo_indptr``.
     """
-    _check_attention_inputs(query, k_cache, sliding_window, req_rows=req_rows, seq_lens=seq_lens,
+    _check_attention_inputs(query, k_cache, sliding_window, req_to_token, req_rows=req_rows, seq_lens=seq_lens,
                             qo_indptr=qo_indptr)
     N, H, D = query.shape
     H_kv = k_cache.shape[1]
