@@ -534,8 +534,9 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
         if isinstance(getattr(m, "sinks", None), torch.Tensor):
             return f"{type(m).__name__} uses attention sinks (a learned extra logit per head)"
         if getattr(m, "is_causal", True) is False:
-            return (f"{type(m).__name__} attends both ways (is_causal=False: an encoder's self-attention; load the "
-                    "checkpoint with is_decoder=True in its config for causal generation)")
+            return (f"{type(m).__name__} attends both ways (is_causal=False): an encoder's self-attention (an "
+                    "encoder checkpoint loaded with is_decoder=True in its config generates causally), or a prefix "
+                    "attended both ways by design, as PaliGemma attends its image and prompt")
         mask = own_attention_mask(type(m))
         if mask is not None:
             return (f"{type(m).__name__} hands the attention function a mask of its own making (`{mask}`, computed "

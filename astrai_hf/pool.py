@@ -536,9 +536,15 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
     other = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
     layers = getattr(text, "num_hidden_layers", None)
     found = sorted(m.layer_idx for m in attention_modules(model))
+    if (found and isinstance(layers, int) and found == list(range(layers)) and other
+            and not any(w in k.lower() for k in other for w in _STATE_KINDS)):
+        # every layer has a self-attention module, and the config names a kind of its own for some of them
+        return (f"its config.layer_types name layers of a kind paged attention does not serve "
+                f"({', '.join(other)}): their cache holds more than each token's K/V (an indexer's keys, "
+                "compressed blocks)")
     if found and (other or (isinstance(layers, int) and found != list(range(layers)))):
-        kinds = f" ({', '.join(other)} layers)" if other else ""
-        return (f"a hybrid model: self-attention in layers {found} of {layers}{kinds}; the other layers keep a "
+        kinds = f" ({', '.join(other)} in config.layer_types)" if other else ""
+        return (f"a hybrid model: self-attention in layers {found} of {layers}; the other layers{kinds} keep a "
                 "state that is not a K/V cache")
     return _state_layers(text) or _kv_geometry(text)
 
@@ -586,8 +592,9 @@ def _state_layers(text) -> str | None:
         if isinstance(kinds, (list, tuple)):
             other = sorted({k for k in kinds if isinstance(k, str) and any(w in k.lower() for w in _STATE_KINDS)})
             if other:
-                return (f"a hybrid model: its {field} include {', '.join(other)} layers, which keep a state that is "
-                        "not a K/V cache")
+                return (f"its config.{field} name {', '.join(other)} layers, which keep a state that is not a "
+                        "per-token K/V cache (a hybrid model's state-space, convolution, recurrent or "
+                        "linear-attention layers, or compressed blocks)")
     ssm = sorted(k for k in vars(text) if k.startswith(("mamba_", "ssm_")))
     if ssm:
         return f"a hybrid model: state-space layers next to attention ({', '.join(ssm[:3])} in its config)"

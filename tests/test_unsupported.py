@@ -639,3 +639,18 @@ def test_families_that_change_kv_after_the_cache_run_on_a_paged_cache_without_pa
 def test_the_latent_attention_refusal_names_the_latent_rank():
     with pytest.raises(NotImplementedError, match=r"kv_lora_rank=16"):
         astrai_hf.patch(_build("deepseek_v3"), max_tokens=512)
+
+
+def test_a_refusal_names_the_layer_kinds_the_config_gives():
+    from tiny_models import tiny_model
+
+    # every layer has self-attention, of a kind of its own (DeepSeek-V3.2's indexer): it had read "a hybrid model
+    # ... the other layers keep a state", naming other layers that did not exist
+    model = tiny_model("llama")
+    model.config.layer_types = ["indexed_attention", "indexed_attention"]
+    with pytest.raises(NotImplementedError, match=r"layers of a kind paged attention does not serve \(indexed_atte"):
+        astrai_hf.patch(model, max_tokens=512)
+    # Jamba's mamba layer, which transformers names linear_attention in layer_types, beside an attention layer
+    with pytest.raises(NotImplementedError, match=r"hybrid model: self-attention in layers \[1\] of 2; the other "
+                                                  r"layers \(linear_attention in config.layer_types\) keep a state"):
+        astrai_hf.patch(_build("jamba"), max_tokens=512)
