@@ -235,7 +235,7 @@ class DecodeGraphRunner:
         result = out.__class__(**{k: v for k, v in out.items()})
         result["logits"] = out["logits"][:B].clone()
         for name in ("cache", "past_key_values"):
-            if name in result:
+            if name in result.keys():  # not `in result`: 5.24's ModelOutput warns of the old name on that test
                 result[name] = cache
         return result
 

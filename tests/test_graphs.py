@@ -256,3 +256,18 @@ def test_a_hand_loop_without_positions_through_the_runner_gives_stocks_logits(ar
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert (replays > 0) == (not padded)  # a padded batch with no positions runs eager
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_decode_through_the_runner_says_nothing_stock_does_not(monkeypatch):
+    # the runner asked its output `"past_key_values" in out`, on which transformers 5.24's ModelOutput logs a
+    # deprecation warning (once per process, hence the spy on every call of it); stock generate() logs nothing
+    import transformers.utils.generic as generic
+
+    said = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda *a, **k: said.append(a))
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=3)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    out, runner = _generate(model, ids, mask, graphs=True, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, ref) and runner.replays > 0
+    assert said == []
