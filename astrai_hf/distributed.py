@@ -99,7 +99,7 @@ class RankGroup:
         if code in (_FULL_PAGES, _FULL_ROWS):
             raise CacheFullError(
                 needed, free, evictable, unit="pages" if code == _FULL_PAGES else "request rows",
-                detail=f"raised on {where}: {message[0]}",
+                detail=f"raised on {where}: {message[0]}", hint=False,  # the rank's message gives the hint
             )
         kind = {_VALUE_ERROR: ValueError, _TYPE_ERROR: TypeError}.get(code, RuntimeError)
         raise kind(f"{where} raised {kind.__name__}: {message[0]}")

@@ -16,9 +16,16 @@ class CacheFullError(RuntimeError):
         unit: ``"pages"`` or ``"request rows"``.
     """
 
-    def __init__(self, needed: int, free: int, evictable: int = 0, *, unit: str = "pages", detail: str = ""):
+    def __init__(self, needed: int, free: int, evictable: int = 0, *, unit: str = "pages", detail: str = "",
+                 hint: bool = True):
         self.needed, self.free, self.evictable, self.unit = needed, free, evictable, unit
-        msg = f"KV page pool is full: needed {needed} {unit}, {free} free, {evictable} evictable"
+        msg = f"KV page pool is full: needed {needed} {unit[:-1] if needed == 1 else unit}, {free} free, " \
+              f"{evictable} evictable"
         if detail:
             msg += f" ({detail})"
+        if hint and unit == "pages":
+            msg += ("; give the pool more tokens (PagePool.from_model(model, max_tokens=...), "
+                    "patch(model, max_tokens=...), or astrai-hf run --max-tokens), or run fewer rows or new tokens")
+        elif hint:
+            msg += "; build the PagePool with a larger max_reqs, or run fewer rows"
         super().__init__(msg)

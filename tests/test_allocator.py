@@ -105,8 +105,11 @@ TestAllocator.settings = settings(max_examples=150, stateful_step_count=40, dead
 def test_reserved_pages_are_never_handed_out():
     alloc = PageAllocator(4, first_page=1)
     assert sorted(alloc.alloc(3)) == [1, 2, 3]
-    with pytest.raises(CacheFullError, match="needed 1 pages, 0 free"):
+    with pytest.raises(CacheFullError, match=r"needed 1 page, 0 free, 0 evictable; give the pool more tokens "
+                                             r"\(PagePool.from_model\(model, max_tokens=...\)"):  # and what to do
         alloc.alloc(1)
+    with pytest.raises(CacheFullError, match="needed 2 pages, 0 free"):
+        alloc.alloc(2)
 
 
 def test_alloc_runs_first_fit_and_refusal():

@@ -105,7 +105,7 @@ def test_too_many_rows_is_cache_full(llama):
     ids, mask = left_padded_batch([3, 4, 5])
     astrai_hf.patch(llama, pool=pool)
     try:
-        with pytest.raises(CacheFullError, match="request rows"):
+        with pytest.raises(CacheFullError, match="request rows.*; build the PagePool with a larger max_reqs"):
             llama.generate(ids, attention_mask=mask, max_new_tokens=2)
     finally:
         astrai_hf.unpatch(llama)

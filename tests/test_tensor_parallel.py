@@ -114,9 +114,9 @@ def test_pool_full_is_raised_on_both_ranks(ranks):
         assert r["full_everywhere_used_after"] == 0
         assert r["full_on_rank1"]["error"] == "CacheFullError"
         assert r["full_on_rank1_used_after"] == 0
-    assert "needed 1 pages, 0 free" in results[1]["full_on_rank1"]["message"]
+    assert "needed 1 page, 0 free" in results[1]["full_on_rank1"]["message"]
     assert results[0]["full_on_rank1"]["message"] == (
-        "KV page pool is full: needed 1 pages, 0 free, 0 evictable (raised on tensor-parallel rank 1 of 2: "
+        "KV page pool is full: needed 1 page, 0 free, 0 evictable (raised on tensor-parallel rank 1 of 2: "
         f"{results[1]['full_on_rank1']['message']})"
     )
 
