@@ -33,7 +33,10 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, ti
         ax.bar(xs, values, width=width, label=name)
     ax.set_xticks(range(len(groups)), groups)
     ax.set(ylabel=ylabel, title=title)
-    ax.legend(fontsize=7)
+    top = max((v for values in series.values() for v in values), default=0)
+    if top > 0:
+        ax.set_ylim(0, top * (1.15 + 0.12 * len(series)))  # headroom above the bars for the legend's lines
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def check_plot_path(path: str | Path) -> None:
@@ -60,6 +63,21 @@ def plot(results: dict, path: str | Path) -> Path:
     Raises:
         ImportError: matplotlib is not installed (``pip install astrai-hf[plot]``).
         ValueError: ``results`` holds no known suite.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure(results: dict):
+    """The matplotlib figure :func:`plot` saves: one panel per measure, the environment in a two-line title.
+
+    Raises:
+        ImportError, ValueError: as :func:`plot`.
     """
     try:
         import matplotlib
@@ -91,17 +109,14 @@ def plot(results: dict, path: str | Path) -> Path:
                        "mixed-length batch of 8, end to end"))
     if not panels:
         raise ValueError(f"no known benchmark suite in the results (expected some of {sorted(SUITE_FILES)})")
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.5 * len(panels), 5.0), 3.8), squeeze=False)
     for (groups, series, ylabel, title), ax in zip(panels, axes[0]):
         _bars(ax, groups, series, ylabel, title)
     env = next(iter(results.values())).get("env", {})
-    fig.suptitle(f"astrai-hf, embedded model, {env.get('device', '')} {env.get('dtype', '')}, "
+    fig.suptitle(f"astrai-hf, embedded model, {env.get('device', '')} {env.get('dtype', '')}\n"
                  f"transformers {env.get('transformers', '')}, {env.get('date', '')}", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,3 +34,18 @@ def test_cli_names_a_missing_folder(tmp_path, capsys):
     assert str(missing) in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="no-such-results"):
         plots.load_results(missing)
+
+
+@pytest.mark.parametrize("suite", ["decode", "prefix", "prefill"])
+def test_each_suite_alone_draws_inside_the_figure(suite):
+    # one panel had been too narrow for the one-line title, cut at both ends
+    import matplotlib.pyplot as plt
+
+    fig = plots.figure({suite: plots.load_results(RESULTS[-1])[suite]})
+    try:
+        renderer = fig.canvas.get_renderer()
+        for text in [fig._suptitle, *(ax.title for ax in fig.axes)]:
+            box = text.get_window_extent(renderer)
+            assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, text.get_text()
+    finally:
+        plt.close(fig)
