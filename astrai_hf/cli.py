@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                     "Commands: demo, generate, run, bench.")
     model_help = "HF model id or local folder (default: embedded SmolLM2-135M-Instruct)"
     parser.add_argument("--model", default=None, help=model_help)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"astrai-hf {__version__}")
     # --model is accepted after the subcommand too: `astrai-hf bench --model PATH`
     with_model = argparse.ArgumentParser(add_help=False)
     with_model.add_argument("--model", default=argparse.SUPPRESS, help=model_help)

@@ -1060,7 +1060,9 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
         raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
     if not state.cuda_graphs:
         raise ValueError(
-            f"{type(model).__name__} is patched with cuda_graphs=False; patch(model, cuda_graphs=True) to capture"
+            f"{type(model).__name__} is patched without CUDA graphs (cuda_graphs=False, the default for a model not "
+            "on one CUDA device); patch(model, cuda_graphs=True) to capture (off CUDA that is an eager stand-in, "
+            "which captures nothing)"
         )
     pool = pool or state.pool
     with state.lock:

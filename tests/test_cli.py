@@ -168,3 +168,9 @@ def test_the_embedded_model_without_gguf_is_one_line_naming_the_install(tmp_path
     assert err.startswith("astrai-hf: cannot load the model: the embedded model is converted once from the GGUF")
     assert "pip install 'astrai-hf[gguf]'" in err and "\n" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"astrai-hf {astrai_hf.__version__}"

@@ -171,6 +171,10 @@ def test_capture_graphs_refuses_an_unpatched_or_eager_model():
     with astrai_hf.patched(model, max_tokens=256, cuda_graphs=False):
         with pytest.raises(ValueError, match="cuda_graphs=False"):
             astrai_hf.capture_graphs(model)
+    with astrai_hf.patched(model, max_tokens=256):  # the default off CUDA, which the message says
+        with pytest.raises(ValueError, match=r"the default for a model not on one CUDA device.*off CUDA that is an "
+                                             r"eager stand-in, which captures nothing"):
+            astrai_hf.capture_graphs(model)
 
 
 @pytest.mark.parametrize("batch", [3, 4])  # padded up to its bucket, and filling it
