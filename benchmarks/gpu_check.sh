@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR
 # Uses the machine's own torch, Triton and transformers (tested with torch 2.11, Triton 3.6, transformers 5.17).
 # Wheels it lacks can be put in .whl/ beside this repository's files; they are installed into a temporary folder.
-# Budget: about 8 minutes on one H200 (tests at most 3, benchmark at most 5).
+# Takes about 8 minutes on a recent datacenter GPU (the tests at most 3, the benchmark at most 5).
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)"
