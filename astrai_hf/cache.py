@@ -246,8 +246,15 @@ class PagedCache(Cache):
         self._prompt_pads, self._num_pad = pads, list(pads)
         self._prompt_ids = [row[p:] for row, p in zip(input_ids.tolist(), pads)]
         self._prompt_width = L
+        target = model if model is not None else pool.model
+        if target is not None and prefix_cache:
+            from .packing import ids_outside_vocabulary
+
+            # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
+            # would leave those columns unfed
+            if ids_outside_vocabulary(target, input_ids):
+                prefix_cache = self._rows.insert_on_release = False
         if prefix_cache and pool.prefix_cache is not None and L > 1:
-            target = model if model is not None else pool.model
             if target is not None:
                 pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
                 self.checked_model = id(target)
@@ -457,6 +464,7 @@ class PagedCache(Cache):
         attention_mask: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
         paged: bool = False,
+        given_positions: torch.Tensor | None = None,
     ) -> StepMetadata:
         """Allocate slots for one forward step of ``q_len`` columns and record where each real token goes.
 
@@ -472,6 +480,9 @@ class PagedCache(Cache):
                 model, when the cache holds fewer rows than the input and each group of input rows is identical
                 (``num_return_sequences`` / beams expanding a prompt), one copy per group is stored and shared.
             paged: attention reads the pool (patched model).
+            given_positions: the ``position_ids`` the caller passed, where ``position_ids`` is left out for
+                finding padding (default: ``position_ids``); they tell a pre-filled cache's continuation from its
+                prompt fed again.
 
         Raises:
             CacheFullError: the pool has too few free (or evictable) pages or request rows; the cache is released
@@ -483,8 +494,10 @@ class PagedCache(Cache):
         all-reduce of 5 integers: when planning fails on any rank, every rank releases its cache and raises (see
         :meth:`astrai_hf.distributed.RankGroup.agree`), so none is left waiting in the model's next collective.
         """
+        if given_positions is None:
+            given_positions = position_ids
         if (not self._first_step_planned and self.logical_len
-                and self._refeeds_prompt(q_len, input_ids, position_ids, attention_mask)):
+                and self._refeeds_prompt(q_len, input_ids, given_positions, attention_mask)):
             raise ValueError(
                 f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {q_len} columns from the "
                 f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
@@ -507,21 +520,26 @@ class PagedCache(Cache):
 
     def _refeeds_prompt(self, q_len: int, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                         attention_mask: torch.Tensor | None = None) -> bool:
-        """Whether a pre-filled cache's first forward feeds the whole prompt it was built with again: as wide as that
-        prompt, with positions ending at its last position (or, without positions, a mask no wider than it and the
-        prompt's tokens). A longer prompt whose uncached columns happen to be as many, even holding the same tokens,
-        is not refused."""
+        """Whether a pre-filled cache's first forward feeds the whole prompt it was built with again, judged by
+        what the forward gives, in this order: a mask over the cached columns and these (a continuation);
+        positions, [B or 1, q_len], ending where the prompt's own end (the prompt again: the mask's count, or
+        ``arange``) or where the columns after the cached ones end (a continuation); the prompt's tokens. A longer
+        prompt whose uncached columns happen to be as many, even holding the same tokens, is not refused."""
         if q_len != self._prompt_width:
             return False
-        pads, prompt = self._prompt_pads, self._prompt_ids
+        pads, prompt, L = self._prompt_pads, self._prompt_ids, self.logical_len
         if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-                and attention_mask.shape[1] == self.logical_len + q_len):
+                and attention_mask.shape[1] == L + q_len):
             return False  # a mask over the cached columns and these: a continuation
-        # positions first: a prompt whose uncached columns repeat the cached tokens is told apart by them
-        if (position_ids is not None and position_ids.dim() == 2 and position_ids.shape[1] == q_len
-                and position_ids.shape[0] % len(pads) == 0):
-            group = position_ids.shape[0] // len(pads)  # rows expanded per prompt (num_return_sequences, beams)
-            return all(pos == q_len - 1 - p for pos, p in zip(position_ids[::group, -1].tolist(), pads))
+        if (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[1] == q_len
+                and (position_ids.shape[0] == 1 or position_ids.shape[0] % len(pads) == 0)):
+            group = max(position_ids.shape[0] // len(pads), 1)  # rows expanded per prompt (samples, beams)
+            last = position_ids[::group, -1].tolist()
+            last = last * len(pads) if len(last) == 1 else last  # one row of positions for every row
+            if all(pos in (q_len - 1 - p, q_len - 1) for pos, p in zip(last, pads)):
+                return True  # the prompt's own positions
+            if all(pos == L - p + q_len - 1 for pos, p in zip(last, pads)):
+                return False  # the positions after the cached columns
         if input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] % len(prompt) == 0:
             group = input_ids.shape[0] // len(prompt)
             rows = input_ids[::group].tolist()

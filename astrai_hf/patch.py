@@ -929,6 +929,7 @@ def _wrap_forward(owner, forward, state: PatchState):
             attention_mask=mask,
             input_ids=input_ids,
             paged=True,
+            given_positions=positions,
         )
         if not cache.made_by_generate and kwargs.get("position_ids") is not None:
             cache._note_positions(kwargs["position_ids"], step, B, q)  # (older releases pass layers no positions)
@@ -1637,13 +1638,11 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
     dropout = model.training and dropout_active(model)
-    # an id outside the vocabulary, under the mask too: stock's forward embeds every column and fails; a prefix hit
-    # would feed only the columns after it
-    outside = input_ids is not None and packing.ids_outside_vocabulary(model, input_ids)
-    plain = not (candidates or custom_inputs or autocast or rope_by_length or dropout or outside
+    plain = not (candidates or custom_inputs or autocast or rope_by_length or dropout
                  or _prefill_from_first_column(kwargs, config)
                  or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
-    # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place)
+    # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place); a
+    # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
     # unpatched model does (paged attention returns no weights)

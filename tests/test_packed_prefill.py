@@ -1,11 +1,13 @@
 """Packed prefill: a left-padded prefill runs on its real tokens only, chunked on request, with unchanged output."""
 
+import contextlib
+
 import pytest
 import torch
 
 import astrai_hf
 import astrai_hf.patches
-from astrai_hf import PagePool, packing
+from astrai_hf import PagedCache, PagePool, cache_kwarg, packing
 from tiny_models import ARCHS, left_padded_batch, tiny_model
 
 pytestmark = pytest.mark.equivalence
@@ -108,6 +110,16 @@ def test_a_masked_pad_id_outside_the_vocabulary_fails_as_stock_does(spy, pad):
     for kwargs in (dict(), dict(do_sample=True, num_return_sequences=2)):
         with pytest.raises(IndexError):
             _generate(model, ids, mask, pool=pool, max_new_tokens=2, **kwargs)
+    for patched in (False, True):  # a PagedCache of the caller's, built with the prompt, starts empty
+        with contextlib.ExitStack() as stack:
+            if patched:
+                stack.enter_context(astrai_hf.patched(model, pool=pool))
+            with PagedCache(pool, ids, mask, model=model) as cache:
+                assert cache.get_seq_length() == 0
+                with pytest.raises(IndexError):
+                    model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2,
+                                   **{cache_kwarg(model): cache})
+        assert pool.stats()["num_used_pages"] == 0
 
 
 def test_fallback_for_a_family_not_known_to_be_position_wise(spy, monkeypatch):

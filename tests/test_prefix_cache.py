@@ -580,6 +580,10 @@ def test_a_hand_loop_feeding_the_whole_prompt_to_a_pre_filled_cache_is_refused(l
             assert start > 0
             with pytest.raises(ValueError, match=f"pre-filled with {start} of the prompt's 9 columns"):
                 llama(input_ids=ids, attention_mask=mask, **{_kw(llama): cache})
+        with PagedCache(pool, ids, mask) as cache:  # with positions counted from column 0, padding included
+            with pytest.raises(ValueError, match=f"pre-filled with {start} of the prompt's 9 columns"):
+                llama(input_ids=ids, attention_mask=mask, position_ids=torch.arange(9).expand(2, 9),
+                      **{_kw(llama): cache})
         with PagedCache(pool, ids, mask) as cache:  # the way generate() feeds it
             got = llama(input_ids=ids[:, start:], attention_mask=mask, position_ids=pos[:, start:],
                         **{_kw(llama): cache}).logits[:, -1]
@@ -619,6 +623,10 @@ def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt
             llama(input_ids=prompt[:, :start], **{_kw(llama): stock})
             want = llama(input_ids=prompt[:, start:], **{_kw(llama): stock}).logits
             got = llama(input_ids=prompt[:, start:], attention_mask=ones, **{_kw(llama): cache}).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        with PagedCache(pool, system, torch.ones_like(system)) as cache:  # positions, and no mask
+            got = llama(input_ids=prompt[:, start:], position_ids=torch.arange(start, 17)[None],
+                        **{_kw(llama): cache}).logits
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         with PagedCache(pool, system, torch.ones_like(system)) as cache:  # embeddings and positions only
             embeds = llama.get_input_embeddings()(prompt[:, start:])
