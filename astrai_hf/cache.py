@@ -1142,6 +1142,10 @@ class PagedCache(Cache):
     def _drop_columns(self, keep: int) -> None:
         rows, pool, ps = self._rows, self.pool, self.pool.page_size
         rows.drop_reserved()
+        if self._num_pad is not None:
+            # a row cut back into its left padding: the columns after ``keep`` are free for tokens again (what the
+            # next mask says of them is read then, as for a row with nothing stored yet)
+            self._num_pad = [min(p, keep) for p in self._num_pad]
         for r, pages in enumerate(rows.pages):
             n = max(0, keep - self._num_pad[r])
             drop = pages[-(-n // ps):]

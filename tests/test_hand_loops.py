@@ -262,3 +262,34 @@ def test_generate_hands_back_a_cache_whose_layers_transformers_can_walk():
             out = model.generate(ids, **kw).sequences
             assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("case", ["crop-everything", "crop-into-the-padding"])
+def test_a_row_cropped_into_its_left_padding_stores_what_is_fed_there_next(case, arch, patched):
+    # the cache had kept the row's old padding count: tokens fed into those columns after the crop were taken as
+    # padding, not stored, and gave other logits than DynamicCache's
+    model = tiny_model(arch, seed=1)
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    ids, mask = left_padded_batch([4, 9], seed=2)  # row 0: 5 columns of padding
+
+    def run(cache):
+        kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **kw)
+            if case == "crop-everything":  # then a batch of other padding
+                cache.crop(-cache.get_seq_length())
+                ids2, mask2 = left_padded_batch([8, 3], seed=4)
+            else:  # back to column 2, then 3 tokens every row holds
+                cache.crop(2 - ids.shape[1])
+                ids2 = torch.tensor([[10, 11, 12]] * 2)
+                mask2 = torch.cat([mask[:, :2], torch.ones(2, 3, dtype=mask.dtype)], 1)
+            return model(input_ids=ids2, attention_mask=mask2, **kw).logits, mask2[:, -ids2.shape[1]:].bool()
+
+    want, real = run(_dynamic(model))
+    with astrai_hf.patched(model, pool=pool) if patched else _nothing():
+        with PagedCache(pool, prefix_cache=False) as cache:
+            got, _ = run(cache)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
