@@ -1076,6 +1076,7 @@ class PagedCache(Cache):
     def _select_rows(self, idx: list[int]) -> None:
         self._step, self._pending_known = None, None
         n_old = len(self._rows.req_rows)
+        before = self._num_pad, self._prompt_ids, self._prompt_pads
         if self._num_pad is not None:
             bad = [i for i in idx if not -len(self._num_pad) <= i < len(self._num_pad)]
             if bad:
@@ -1088,7 +1089,11 @@ class PagedCache(Cache):
         if n_old == 0:
             return
         with interrupts_deferred():
-            self._reassign_rows(idx)
+            try:
+                self._reassign_rows(idx)
+            except BaseException:  # no request rows for the new ones (CacheFullError): the cache is left as it was
+                self._num_pad, self._prompt_ids, self._prompt_pads = before
+                raise
 
     def _reassign_rows(self, idx: list[int]) -> None:
         rows, pool = self._rows, self.pool

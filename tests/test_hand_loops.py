@@ -293,3 +293,33 @@ def test_a_row_cropped_into_its_left_padding_stores_what_is_fed_there_next(case,
             got, _ = run(cache)
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
     assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("grow", ["batch_repeat_interleave", "reorder_cache"])
+def test_rows_that_do_not_fit_leave_the_cache_as_it_was(grow):
+    # growing past max_reqs raised CacheFullError after the padding of the new row count was recorded: the
+    # cache, still holding its 2 rows, then gave row 1 other logits (patched) or failed inside (unpatched)
+    from astrai_hf import CacheFullError
+
+    model = tiny_model("llama", seed=1)
+    ids, mask = left_padded_batch([4, 7], seed=2)
+    step, m2 = torch.tensor([[5], [6]]), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    dynamic = _dynamic(model)
+    kw = lambda cache: {astrai_hf.cache_kwarg(model): cache, "use_cache": True}  # noqa: E731
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **kw(dynamic))
+        want = model(input_ids=step, attention_mask=m2, **kw(dynamic)).logits
+        with astrai_hf.patched(model, max_tokens=512, max_reqs=4):
+            pool = astrai_hf.get_pool(model)
+            with PagedCache(pool, prefix_cache=False) as cache:
+                model(input_ids=ids, attention_mask=mask, **kw(cache))
+                before = repr(cache)
+                with pytest.raises(CacheFullError, match="growing 2 rows to 6"):
+                    if grow == "reorder_cache":
+                        cache.reorder_cache(torch.tensor([0, 0, 0, 1, 1, 1]))
+                    else:
+                        cache.batch_repeat_interleave(3)
+                assert repr(cache) == before
+                got = model(input_ids=step, attention_mask=m2, **kw(cache)).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
