@@ -664,7 +664,8 @@ class PagedCache(Cache):
                         B, q, e.needed, e.free, e.evictable)
             raise CacheFullError(
                 e.needed, e.free, e.evictable,
-                detail=f"{B} rows, step of {q} tokens, page_size={ps}, num_pages={alloc.num_usable}",
+                detail=f"{B} row{'s' if B != 1 else ''}, step of {q} token{'s' if q != 1 else ''}, page_size={ps}, "
+                       f"num_pages={alloc.num_usable}",
             ) from None
         self._reserve_runs(grows, seq, needed, group)
         w_rows, w_cols, w_slots, new_slots, src = [], [], [], [], []
@@ -867,6 +868,15 @@ class PagedCache(Cache):
                 layer_kwargs = args[0]
             position_ids = layer_kwargs.get("position_ids") if isinstance(layer_kwargs, dict) else None
         if step is None or layer_idx in self._step_layers:
+            if step is not None and not step.paged and len(self._step_layers) < self._num_storing_layers:
+                # stock's layers would be of different lengths now; here the missing layers' columns hold nothing
+                q_done = self._step_shape[1] if self._step_shape else step.logical_len
+                raise ValueError(
+                    f"the previous forward stopped after {len(self._step_layers)} of {self._num_storing_layers} "
+                    f"layers stored their K/V (an exception inside the model?), so its {q_done} new "
+                    f"column{'s are' if q_done != 1 else ' is'} not filled in every layer; call "
+                    f"cache.crop(-{q_done}) to drop them before feeding again (a patched model drops them itself)"
+                )
             B, _, q, _ = key_states.shape
             step = self.plan_step(B, q, position_ids=position_ids, paged=False)
         if first and position_ids is not None and isinstance(step, StepMetadata):
@@ -953,6 +963,10 @@ class PagedCache(Cache):
                 and len(self._step_layers) < self._num_storing_layers):
             return self.logical_len - step.q_len
         return self.logical_len - self._pending_q
+
+    def early_initialization(self, batch_size: int, num_heads, head_dim, dtype: torch.dtype, device) -> None:
+        """Nothing to do: the pool's K/V storage is allocated when the pool is built (``DynamicCache`` allocates its
+        layers here instead)."""
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):  # older releases pass cache_position
@@ -1245,7 +1259,14 @@ class PagedCache(Cache):
 class PagedLayer:
     """One layer of a :class:`PagedCache`, read-only, in the shape of a ``DynamicCache`` layer: ``keys`` and
     ``values`` are [B, num_kv_heads, logical_len, head_dim] copies gathered from the pool (padding columns zero;
-    see :meth:`PagedCache.layer_kv`). Writing goes through ``PagedCache.update``."""
+    see :meth:`PagedCache.layer_kv`), so writes into them change nothing. Writing goes through
+    ``PagedCache.update``; crop, reset and row selection through the cache, for every layer at once.
+
+    Raises:
+        AttributeError: assigning ``keys``/``values``, or a ``DynamicCache`` layer's method (``crop``, ``reset``,
+            ``lazy_initialization``, ...), naming what to call instead.
+        NotImplementedError: ``offload()`` / ``prefetch()``: the K/V stay in the pool.
+    """
 
     def __init__(self, cache: PagedCache, layer_idx: int):
         self._cache, self.layer_idx = cache, layer_idx
@@ -1254,9 +1275,29 @@ class PagedLayer:
     def keys(self) -> torch.Tensor:
         return self._cache._gathered(self.layer_idx, "k")
 
+    @keys.setter
+    def keys(self, value) -> None:
+        raise AttributeError(_READ_ONLY_LAYER.format(what="its keys cannot be assigned"))
+
     @property
     def values(self) -> torch.Tensor:
         return self._cache._gathered(self.layer_idx, "v")
+
+    @values.setter
+    def values(self, value) -> None:
+        raise AttributeError(_READ_ONLY_LAYER.format(what="its values cannot be assigned"))
+
+    def offload(self) -> None:
+        raise NotImplementedError(_NO_OFFLOAD)
+
+    def prefetch(self) -> None:
+        raise NotImplementedError(_NO_OFFLOAD)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_cache", "layer_idx"):
+            raise AttributeError(name)
+        raise AttributeError(_READ_ONLY_LAYER.format(what=f"it has no {name!r}")
+                             + "; crop(), reset(), reorder_cache() and batch_select_indices() are the cache's")
 
     @property
     def is_initialized(self) -> bool:
@@ -1267,6 +1308,14 @@ class PagedLayer:
 
     def __repr__(self) -> str:
         return f"PagedLayer(layer_idx={self.layer_idx}, seq_length={self.get_seq_length()})"
+
+
+_READ_ONLY_LAYER = ("a PagedCache layer is a read-only view of K/V gathered from the pool, so {what}: write "
+                    "through cache.update(keys, values, layer_idx), and change the rows or columns of every layer at "
+                    "once through the cache")
+_NO_OFFLOAD = ("a PagedCache's K/V live in its PagePool, one tensor per layer shared by every cache of the pool, so "
+               "they are not offloaded layer by layer; build the pool with fewer max_tokens, or use transformers' "
+               "DynamicCache(offloading=True) for offloading")
 
 
 def _grouped(t: torch.Tensor | None, group: int) -> bool:

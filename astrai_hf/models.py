@@ -75,10 +75,12 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
 
     if name is not None and not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
         raise FileNotFoundError(f"model folder {name!r} does not exist")
-    if name is not None and Path(name).expanduser().is_dir() and not (Path(name).expanduser() / "config.json").exists():
+    folder = Path(name).expanduser() if name is not None else None
+    if folder is not None and folder.is_dir() and not any((folder / f).exists() for f in ("config.json",
+                                                                                         "adapter_config.json")):
         # transformers would first fail on the tokenizer, naming tokenizer files and libraries
         raise FileNotFoundError(f"model folder {name!r} has no config.json: it is not a folder save_pretrained() "
-                                "wrote (a model's config, weights and tokenizer files)")
+                                "wrote (a model's config, weights and tokenizer files; or a peft adapter's)")
     path = embedded_model_path() if name is None else name
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 SUITE_FILES = {"decode": "bench.json", "prefix": "prefix.json", "prefill": "prefill.json"}
@@ -33,7 +34,7 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, ti
         ax.bar(xs, values, width=width, label=name)
     ax.set_xticks(range(len(groups)), groups)
     ax.set(ylabel=ylabel, title=title)
-    top = max((v for values in series.values() for v in values), default=0)
+    top = max((v for values in series.values() for v in values if math.isfinite(v)), default=0)
     if top > 0:
         ax.set_ylim(0, top * (1.15 + 0.12 * len(series)))  # headroom above the bars for the legend's lines
     ax.legend(fontsize=7, loc="upper right")

@@ -1,6 +1,7 @@
 """The astrai-hf command's argument handling (the commands themselves are run in other tests)."""
 
 import pytest
+import torch
 
 import astrai_hf.models
 from astrai_hf.cli import main
@@ -153,7 +154,8 @@ def test_a_folder_without_a_config_is_one_line_naming_what_is_missing(tmp_path, 
     assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"astrai-hf: cannot load the model: model folder {str(tmp_path)!r} has no config.json: it is not "
-                   "a folder save_pretrained() wrote (a model's config, weights and tokenizer files)")
+                   "a folder save_pretrained() wrote (a model's config, weights and tokenizer files; or a peft "
+                   "adapter's)")
 
 
 def test_the_embedded_model_without_gguf_is_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
@@ -174,3 +176,28 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"astrai-hf {astrai_hf.__version__}"
+
+
+def test_a_peft_adapter_folder_loads_as_transformers_loads_it(tmp_path):
+    # it holds adapter_config.json and no config.json: the folder check had refused it
+    import peft
+    import transformers
+
+    from astrai_hf.models import load_model
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    adapter = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base"),
+                                  peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter.save_pretrained(tmp_path / "adapter")
+    from tokenizers import Tokenizer, models
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w1").save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "config.json").exists()
+    model, tokenizer = load_model(str(tmp_path / "adapter"))
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter")
+    assert type(model) is type(stock) and tokenizer.padding_side == "left"
+    for got, want in zip(model.state_dict().values(), stock.state_dict().values()):
+        assert torch.equal(got, want)

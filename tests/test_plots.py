@@ -1,5 +1,6 @@
 """Charts of benchmark results: the committed results redraw, and an empty result set is refused."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,12 @@ def test_each_suite_alone_draws_inside_the_figure(suite):
             assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1, text.get_text()
     finally:
         plt.close(fig)
+
+
+def test_a_value_that_is_not_finite_still_draws(tmp_path):
+    # the legend's headroom had been computed from it: matplotlib refused an infinite axis limit
+    results = plots.load_results(RESULTS[-1])
+    decode = copy.deepcopy(results["decode"])
+    decode["rows"][0]["decode_tok_s"] = float("inf")
+    decode["rows"][1]["decode_tok_s"] = float("nan")
+    assert plots.plot({"decode": decode}, tmp_path / "c.png").stat().st_size > 10_000

@@ -109,6 +109,7 @@ _BAD_INPUTS = {  # edits of (query, req_rows, seq_lens, window, req_to_token)
         lambda q, rows, lens, w, t: (q, rows, lens, w, t.repeat_interleave(2, 1)[:, ::2]), "req_to_token"),
     "a column-major req_to_token": (lambda q, rows, lens, w, t: (q, rows, lens, w, t.t().contiguous().t()),
                                     "req_to_token"),
+    "a 3-D req_to_token": (lambda q, rows, lens, w, t: (q, rows, lens, w, t[None]), "req_to_token must be 2-D"),
 }
 
 
@@ -122,7 +123,7 @@ def test_kernels_refuse_inputs_their_pointers_would_misread(case, kernel):
     query = torch.randn(2 * n, 4, 8) if kernel == "extend" else torch.randn(2, 4, 8)
     query, rows, lens, window, table = edit(query, meta.req_rows, torch.tensor([10, 3], dtype=torch.int32), None,
                                             meta.table)
-    assert torch.equal(table, meta.table)  # the same values, read otherwise
+    assert torch.equal(table.reshape(meta.table.shape), meta.table)  # the same values, read otherwise
     with pytest.raises(ValueError, match=message):
         if kernel == "decode":
             tk.decode_attention(query, k_cache, v_cache, table, rows, lens, scaling=0.5, sliding_window=window)

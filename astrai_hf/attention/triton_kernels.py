@@ -46,7 +46,9 @@ def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, sliding_
             positive, ``req_to_token``'s columns are not adjacent (its rows may be strided), or an index tensor
             (``index``, by name) is not contiguous.
     """
-    if req_to_token.dim() != 2 or (req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1):
+    if req_to_token.dim() != 2:
+        raise ValueError(f"req_to_token must be 2-D [rows, max_seq_len], got shape {tuple(req_to_token.shape)}")
+    if req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1:
         raise ValueError(f"req_to_token [rows, max_seq_len] must have adjacent columns (stride 1), got shape "
                          f"{tuple(req_to_token.shape)} and strides {req_to_token.stride()}")
     H, H_kv = query.shape[1], k_cache.shape[1]
