@@ -503,6 +503,8 @@ class PagedCache(Cache):
                 f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
                 "input_ids[:, cache.get_seq_length():], as generate() does, or build the cache with prefix_cache=False"
             )
+        if self.prefilled_from_prefix_cache and not self.made_by_generate:
+            self._check_prefilled_positions(q_len, given_positions, paged)
         step, failed = None, None
         with interrupts_deferred():
             try:
@@ -545,6 +547,42 @@ class PagedCache(Cache):
             rows = input_ids[::group].tolist()
             return all(row[p:] == ids for row, p, ids in zip(rows, pads, prompt))
         return True
+
+    def _check_prefilled_positions(self, q_len: int, position_ids: torch.Tensor | None, paged: bool) -> None:
+        """Refuse a first forward of a pre-filled cache that places its tokens at other positions than the ones the
+        cached K/V continue: those were computed at the positions ``generate()`` gives a left-padded batch (each
+        row's real tokens counted from 0). A forward without ``position_ids`` on a padded batch counts the padding
+        instead (the column index); its tokens would follow K/V of another numbering. ``position_ids``: the
+        forward's, or (unpatched, transformers 5.24 and later) the ones the layers hand ``update()``; None
+        (patched: none passed) is refused only for a padded batch; unknown positions (unpatched, earlier
+        releases) are not checked."""
+        pads, L = self._prompt_pads, self.logical_len
+        if pads is None:
+            return
+        if position_ids is None:
+            if paged and any(p > 0 for p in pads):
+                bad = "no position_ids (the model then counts the padding columns)"
+            else:
+                return
+        else:
+            if position_ids.dim() != 2 or position_ids.shape[1] != q_len or position_ids.shape[0] % len(pads) and \
+                    position_ids.shape[0] != 1:
+                return
+            group = max(position_ids.shape[0] // len(pads), 1)
+            rows = position_ids[::group].tolist()
+            rows = rows * len(pads) if len(rows) == 1 else rows
+            wrong = [r for r, (row, p) in enumerate(zip(rows, pads))
+                     if any(pos != L - p + j for j, pos in enumerate(row) if L - p + j >= 0)]
+            if not wrong:
+                return
+            bad = f"positions in rows {wrong} that do not continue them (row {wrong[0]}: {rows[wrong[0]][:6]}...)"
+        expected = [max(L - p, 0) for p in pads]
+        raise ValueError(
+            f"this PagedCache starts pre-filled with {L} columns of a left-padded prompt from the prefix cache, "
+            "computed at the positions generate() gives (each row's real tokens counted from 0), and the first "
+            f"forward gives {bad}; pass position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)"
+            f"[:, cache.get_seq_length():] (its rows start at {expected}), or build the cache with prefix_cache=False"
+        )
 
     def mask_has_holes(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> bool:
         """Whether a step's 2-D ``attention_mask`` [B, logical_len + q_len or wider] masks a column after a row's left
@@ -868,9 +906,19 @@ class PagedCache(Cache):
                 layer_kwargs = args[0]
             position_ids = layer_kwargs.get("position_ids") if isinstance(layer_kwargs, dict) else None
         if step is None or layer_idx in self._step_layers:
+            if (step is not None and not step.paged and len(self._step_layers) < self._num_storing_layers
+                    and self._step_shape != (key_states.shape[0], key_states.shape[2])):
+                shape, self_shape = (key_states.shape[0], key_states.shape[2]), self._step_shape
+                self.release()
+                raise ValueError(
+                    f"layer {layer_idx} stores K/V of {shape[1]} tokens x {shape[0]} rows before every layer stored "
+                    f"the step of {self_shape[1]} x {self_shape[0]} it is in: a PagedCache holds the self-attention "
+                    "K/V of the rows it was fed (an encoder-decoder model's cross-attention K/V cannot go in it), "
+                    "one step after another (a forward that stopped midway leaves a step unfinished)"
+                )
             if step is not None and not step.paged and len(self._step_layers) < self._num_storing_layers:
                 # stock's layers would be of different lengths now; here the missing layers' columns hold nothing
-                q_done = self._step_shape[1] if self._step_shape else step.logical_len
+                q_done = self._step_shape[1]
                 raise ValueError(
                     f"the previous forward stopped after {len(self._step_layers)} of {self._num_storing_layers} "
                     f"layers stored their K/V (an exception inside the model?), so its {q_done} new "

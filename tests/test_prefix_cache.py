@@ -1018,3 +1018,37 @@ def test_flags_and_counters_on_modules_leave_the_cached_prefixes():
     out, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=3))
     assert hit == 39
     assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("patched", [False, True])
+@torch.no_grad()
+def test_a_pre_filled_padded_cache_fed_at_positions_that_do_not_continue_its_kv_is_refused(llama, patched):
+    # its K/V were computed at generate()'s positions (real tokens counted from 0); a forward without
+    # position_ids counts the padding, and had given logits that matched neither numbering, without a word
+    import transformers
+    from packaging.version import Version
+    from transformers import DynamicCache
+
+    pool = _pool(llama, max_tokens=1024, page_size=4)
+    shared = _tokens(12, seed=60).tolist()
+    ids = torch.tensor([[0] * 3 + shared + [20, 21, 22], shared + [30, 31, 32, 33, 34, 35]])
+    mask = torch.tensor([[0] * 3 + [1] * 15, [1] * 18])
+    _generate(llama, pool, ids[1:], mask[1:], max_new_tokens=1)  # the shared prefix into the prefix cache
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    want = llama(input_ids=ids, attention_mask=mask, position_ids=positions, **{_kw(llama): DynamicCache()}).logits
+    checked = patched or Version(transformers.__version__) >= Version("5.24")  # unpatched: update() sees positions
+    with contextlib.ExitStack() as stack:
+        if patched:
+            stack.enter_context(astrai_hf.patched(llama, pool=pool))
+        with PagedCache(pool, ids, mask, model=llama) as cache:
+            start = cache.get_seq_length()
+            assert start == 12 + 3
+            if checked:
+                with pytest.raises(ValueError, match=r"pre-filled with 15 columns of a left-padded prompt .* rows "
+                                                     r"start at \[12, 15\]"):
+                    llama(input_ids=ids[:, start:], attention_mask=mask, **{_kw(llama): cache})
+                assert cache.get_seq_length() == start
+            got = llama(input_ids=ids[:, start:], attention_mask=mask, position_ids=positions[:, start:],
+                        **{_kw(llama): cache}).logits
+    torch.testing.assert_close(got[:, -1], want[:, -1], rtol=1e-4, atol=1e-4)
+    _assert_pool_idle(pool)
