@@ -575,10 +575,17 @@ class PagedCache(Cache):
                      if any(pos != L - p + j for j, pos in enumerate(row) if L - p + j >= 0)]
             if not wrong:
                 return
+            if all(row[0] == 0 or (p < q_len and row[p] == 0) for row, p in zip(rows, pads)):
+                raise ValueError(
+                    f"this PagedCache starts pre-filled with {L} columns from the prefix cache, and the first forward "
+                    f"feeds {q_len} columns from the prompt's first position again (as assisted and prompt-lookup "
+                    "generate() do on an unpatched model, which does not slice the prompt by the cache's length): "
+                    "build the cache with prefix_cache=False, or patch the model"
+                )
             bad = f"positions in rows {wrong} that do not continue them (row {wrong[0]}: {rows[wrong[0]][:6]}...)"
         expected = [max(L - p, 0) for p in pads]
         raise ValueError(
-            f"this PagedCache starts pre-filled with {L} columns of a left-padded prompt from the prefix cache, "
+            f"this PagedCache starts pre-filled with {L} columns of a prompt from the prefix cache, "
             "computed at the positions generate() gives (each row's real tokens counted from 0), and the first "
             f"forward gives {bad}; pass position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)"
             f"[:, cache.get_seq_length():] (its rows start at {expected}), or build the cache with prefix_cache=False"

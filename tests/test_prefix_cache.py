@@ -1044,11 +1044,34 @@ def test_a_pre_filled_padded_cache_fed_at_positions_that_do_not_continue_its_kv_
             start = cache.get_seq_length()
             assert start == 12 + 3
             if checked:
-                with pytest.raises(ValueError, match=r"pre-filled with 15 columns of a left-padded prompt .* rows "
+                with pytest.raises(ValueError, match=r"pre-filled with 15 columns of a prompt .* rows "
                                                      r"start at \[12, 15\]"):
                     llama(input_ids=ids[:, start:], attention_mask=mask, **{_kw(llama): cache})
                 assert cache.get_seq_length() == start
             got = llama(input_ids=ids[:, start:], attention_mask=mask, position_ids=positions[:, start:],
                         **{_kw(llama): cache}).logits
     torch.testing.assert_close(got[:, -1], want[:, -1], rtol=1e-4, atol=1e-4)
+    _assert_pool_idle(pool)
+
+
+@torch.no_grad()
+def test_prompt_lookup_on_an_unpatched_model_with_a_pre_filled_cache_says_what_to_do(llama):
+    # its first forward feeds the prompt (and candidates) from column 0 whatever the cache holds; the check of
+    # positions had named left padding and position_ids, which do not apply
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("this transformers release hands update() no position_ids")
+    pool = _pool(llama, max_tokens=1024, page_size=4)
+    ids = _tokens(7, seed=61)[None]
+    ids[:, -3:] = ids[:, -7:-4]  # a repeat for prompt lookup to find
+    mask = torch.ones_like(ids)
+    _generate(llama, pool, ids, mask, max_new_tokens=2)
+    with PagedCache(pool, ids, mask, model=llama) as cache:
+        assert cache.get_seq_length() > 0
+        with pytest.raises(ValueError, match="as assisted and prompt-lookup generate.. do on an unpatched model.*"
+                                             "prefix_cache=False, or patch the model"):
+            llama.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2,
+                           **{_kw(llama): cache})
     _assert_pool_idle(pool)
