@@ -533,11 +533,9 @@ class PagedCache(Cache):
         if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
                 and attention_mask.shape[1] == L + q_len):
             return False  # a mask over the cached columns and these: a continuation
-        if (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[1] == q_len
-                and (position_ids.shape[0] == 1 or position_ids.shape[0] % len(pads) == 0)):
-            group = max(position_ids.shape[0] // len(pads), 1)  # rows expanded per prompt (samples, beams)
-            last = position_ids[::group, -1].tolist()
-            last = last * len(pads) if len(last) == 1 else last  # one row of positions for every row
+        rows = _positions_per_prompt_row(position_ids, len(pads), q_len)
+        if rows is not None:
+            last = [row[-1] for row in rows]
             if all(pos in (q_len - 1 - p, q_len - 1) for pos, p in zip(last, pads)):
                 return True  # the prompt's own positions
             if all(pos == L - p + q_len - 1 for pos, p in zip(last, pads)):
@@ -565,12 +563,9 @@ class PagedCache(Cache):
             else:
                 return
         else:
-            if position_ids.dim() != 2 or position_ids.shape[1] != q_len or position_ids.shape[0] % len(pads) and \
-                    position_ids.shape[0] != 1:
+            rows = _positions_per_prompt_row(position_ids, len(pads), q_len)
+            if rows is None:
                 return
-            group = max(position_ids.shape[0] // len(pads), 1)
-            rows = position_ids[::group].tolist()
-            rows = rows * len(pads) if len(rows) == 1 else rows
             wrong = [r for r, (row, p) in enumerate(zip(rows, pads))
                      if any(pos != L - p + j for j, pos in enumerate(row) if L - p + j >= 0)]
             if not wrong:
@@ -913,19 +908,19 @@ class PagedCache(Cache):
                 layer_kwargs = args[0]
             position_ids = layer_kwargs.get("position_ids") if isinstance(layer_kwargs, dict) else None
         if step is None or layer_idx in self._step_layers:
-            if (step is not None and not step.paged and len(self._step_layers) < self._num_storing_layers
-                    and self._step_shape != (key_states.shape[0], key_states.shape[2])):
-                shape, self_shape = (key_states.shape[0], key_states.shape[2]), self._step_shape
-                self.release()
-                raise ValueError(
-                    f"layer {layer_idx} stores K/V of {shape[1]} tokens x {shape[0]} rows before every layer stored "
-                    f"the step of {self_shape[1]} x {self_shape[0]} it is in: a PagedCache holds the self-attention "
-                    "K/V of the rows it was fed (an encoder-decoder model's cross-attention K/V cannot go in it), "
-                    "one step after another (a forward that stopped midway leaves a step unfinished)"
-                )
             if step is not None and not step.paged and len(self._step_layers) < self._num_storing_layers:
-                # stock's layers would be of different lengths now; here the missing layers' columns hold nothing
-                q_done = self._step_shape[1]
+                # an unfinished step: stock's layers would be of different lengths now; here the missing layers'
+                # columns hold nothing
+                shape, (rows_done, q_done) = (key_states.shape[0], key_states.shape[2]), self._step_shape
+                if shape != self._step_shape:  # in the same forward: another sequence's K/V
+                    self.release()
+                    raise ValueError(
+                        f"layer {layer_idx} stores K/V of {shape[1]} tokens x {shape[0]} rows before every layer "
+                        f"stored the step of {q_done} x {rows_done} it is in: a PagedCache holds the "
+                        "self-attention K/V of the rows it was fed (an encoder-decoder model's cross-attention K/V "
+                        "cannot go in it), one step after another (a forward that stopped midway leaves a step "
+                        "unfinished)"
+                    )
                 raise ValueError(
                     f"the previous forward stopped after {len(self._step_layers)} of {self._num_storing_layers} "
                     f"layers stored their K/V (an exception inside the model?), so its {q_done} new "
@@ -1371,6 +1366,17 @@ _READ_ONLY_LAYER = ("a PagedCache layer is a read-only view of K/V gathered from
 _NO_OFFLOAD = ("a PagedCache's K/V live in its PagePool, one tensor per layer shared by every cache of the pool, so "
                "they are not offloaded layer by layer; build the pool with fewer max_tokens, or use transformers' "
                "DynamicCache(offloading=True) for offloading")
+
+
+def _positions_per_prompt_row(position_ids, n: int, q_len: int) -> list[list[int]] | None:
+    """A step's ``position_ids`` [n * group or 1, q_len] as one list per prompt row (the first of each group of rows
+    expanded per prompt by samples or beams; one row of positions stands for every row), or None for another shape
+    (M-RoPE's 3-D positions, say). A host read."""
+    if (not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != q_len
+            or (position_ids.shape[0] != 1 and position_ids.shape[0] % n)):
+        return None
+    rows = position_ids[:: max(position_ids.shape[0] // n, 1)].tolist()
+    return rows * n if len(rows) == 1 else rows
 
 
 def _grouped(t: torch.Tensor | None, group: int) -> bool:

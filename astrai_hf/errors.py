@@ -19,8 +19,8 @@ class CacheFullError(RuntimeError):
     def __init__(self, needed: int, free: int, evictable: int = 0, *, unit: str = "pages", detail: str = "",
                  hint: bool = True):
         self.needed, self.free, self.evictable, self.unit = needed, free, evictable, unit
-        msg = f"KV page pool is full: needed {needed} {unit[:-1] if needed == 1 else unit}, {free} free, " \
-              f"{evictable} evictable"
+        msg = (f"KV page pool is full: needed {needed} {unit[:-1] if needed == 1 else unit}, {free} free, "
+               f"{evictable} evictable")
         if detail:
             msg += f" ({detail})"
         if hint and unit == "pages":
