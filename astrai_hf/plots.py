@@ -65,9 +65,9 @@ def plot(results: dict, path: str | Path) -> Path:
         ImportError: matplotlib is not installed (``pip install astrai-hf[plot]``).
         ValueError: ``results`` holds no known suite.
     """
+    fig = figure(results)  # (first: it names the install when matplotlib is missing)
     import matplotlib.pyplot as plt
 
-    fig = figure(results)
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

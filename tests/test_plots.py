@@ -59,3 +59,13 @@ def test_a_value_that_is_not_finite_still_draws(tmp_path):
     decode["rows"][0]["decode_tok_s"] = float("inf")
     decode["rows"][1]["decode_tok_s"] = float("nan")
     assert plots.plot({"decode": decode}, tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_without_matplotlib_the_error_names_the_install(tmp_path, monkeypatch):
+    import sys
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'astrai-hf\[plot\]'"):
+        plots.plot(plots.load_results(RESULTS[-1]), tmp_path / "c.png")
