@@ -8,7 +8,7 @@ import weakref
 import torch
 from transformers import Cache
 
-from .config import as_count, as_flag, as_int
+from .config import as_count, as_flag, as_int, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
 from .interrupts import interrupts_deferred
@@ -251,8 +251,9 @@ class PagedCache(Cache):
             from .packing import ids_outside_vocabulary
 
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
-            # would leave those columns unfed
-            if ids_outside_vocabulary(target, input_ids):
+            # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
+            # prefix for another forward than the one stock runs over the whole prompt.
+            if ids_outside_vocabulary(target, input_ids) or rope_depends_on_length(getattr(target, "config", None)):
                 prefix_cache = self._rows.insert_on_release = False
         if prefix_cache and pool.prefix_cache is not None and L > 1:
             if target is not None:

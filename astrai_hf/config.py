@@ -195,3 +195,21 @@ def as_count(name: str, value, minimum: int) -> int:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def rope_depends_on_length(config) -> bool:
+    """Whether the model's RoPE frequencies depend on the longest position of each forward (transformers'
+    ``dynamic_rope_update``: rope types ``dynamic`` and ``longrope``). Such a model computes a prompt's K/V
+    differently in one forward than in pieces, so neither prefix reuse nor chunked prefill can match stock."""
+    types = set()
+
+    def collect(value) -> None:
+        if isinstance(value, dict):
+            if "rope_type" in value:
+                types.add(str(value["rope_type"]))
+            for v in value.values():
+                collect(v)
+
+    for name in ("rope_parameters", "rope_scaling"):
+        collect(getattr(config, name, None))
+    return any("dynamic" in t or t == "longrope" for t in types)

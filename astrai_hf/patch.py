@@ -19,7 +19,7 @@ import torch
 
 from . import attention, packing
 from .cache import PATCH_STATE_ATTR, PagedCache, cache_kwarg, forget_rope_deltas, left_padding
-from .config import KVSpec, as_count, as_flag
+from .config import KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
 from .metadata import StepMetadata
@@ -1123,11 +1123,12 @@ def _wrap_generate(owner, generate, state: PatchState):
     # (not a part of _paged_generate calling it again: a closure calling itself is a reference cycle, which would
     # keep this state, and the pool's K/V memory, alive until the garbage collector runs)
     def _generate_with(model, given, args, kwargs, config, passed):
-        if isinstance(given, PagedCache) and (_candidate_decoding(kwargs, config) or _prefill_from_first_column(
-                kwargs, config) or (model.training and dropout_active(model)) or _own_attention(state) is not None):
-            # candidate decoding crops and re-verifies from the prompt on, an older release's chunked prefill feeds
-            # the whole prompt, and a forward under dropout computes the prompt afresh: a cache of the caller's that
-            # the prefix cache pre-filled starts empty instead
+        if isinstance(given, PagedCache) and (_own_attention(state) is not None or _skips_prefix_cache(
+                given.pool, model, kwargs, config, state.rope_by_length, state.embeds_token_types)):
+            # a call that cannot build on cached prefixes (candidate decoding crops and re-verifies from the prompt
+            # on, outputs of every prompt position, an older release's chunked prefill, dropout, ...), or whose
+            # attention is of the caller's own: a cache of the caller's that the prefix cache pre-filled starts
+            # empty instead
             given.forget_prefix_hits()
             given.verifies_candidates = _candidate_decoding(kwargs, config)
         if isinstance(given, PagedCache):
@@ -1619,9 +1620,24 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
             input_ids = None
     else:
         input_ids = attention_mask = None
+    plain = not _skips_prefix_cache(pool, model, kwargs, config, rope_by_length, embeds_token_types)
+    # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place); a
+    # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
+    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
+    # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
+    # unpatched model does (paged attention returns no weights)
+    cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
+    cache.verifies_candidates = _candidate_decoding(kwargs, config)
+    cache.made_by_generate = True
+    return cache
+
+
+def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_length: bool,
+                        embeds_token_types: bool = True) -> bool:
+    """Whether a ``generate()`` call can neither build on cached prefixes nor leave its own for later calls. A
+    cache of the caller's that the prefix cache pre-filled starts empty in such a call."""
     # Candidate generation (prompt lookup, assistant models) crops and re-verifies tokens; outputs of every
-    # prompt position (hidden states, attentions) need the whole prompt computed. Neither reads nor fills the
-    # prefix cache.
+    # prompt position (hidden states, attentions) need the whole prompt computed.
     candidates = _candidate_decoding(kwargs, config)
     # The prefix cache keys K/V by token ids alone: K/V computed from embeddings or at positions of the caller's
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
@@ -1638,18 +1654,9 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
     dropout = model.training and dropout_active(model)
-    plain = not (candidates or custom_inputs or autocast or rope_by_length or dropout
-                 or _prefill_from_first_column(kwargs, config)
-                 or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
-    # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place); a
-    # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
-    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
-    # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
-    # unpatched model does (paged attention returns no weights)
-    cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
-    cache.verifies_candidates = candidates
-    cache.made_by_generate = True
-    return cache
+    return bool(candidates or custom_inputs or autocast or rope_by_length or dropout
+                or _prefill_from_first_column(kwargs, config)
+                or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
 
 
 def _prefill_from_first_column(kwargs: dict, config) -> bool:
@@ -1679,24 +1686,6 @@ def _candidate_decoding(kwargs: dict, config) -> bool:
     """Prompt lookup or assisted decoding (an assistant model, or early exit)."""
     return bool(_get(kwargs, config, "prompt_lookup_num_tokens") or kwargs.get("assistant_model") is not None
                 or _get(kwargs, config, "assistant_early_exit"))
-
-
-def rope_depends_on_length(config) -> bool:
-    """Whether the model's RoPE frequencies depend on the longest position of each forward (transformers'
-    ``dynamic_rope_update``: rope types ``dynamic`` and ``longrope``). Such a model computes a prompt's K/V
-    differently in one forward than in pieces, so neither prefix reuse nor chunked prefill can match stock."""
-    types = set()
-
-    def collect(value) -> None:
-        if isinstance(value, dict):
-            if "rope_type" in value:
-                types.add(str(value["rope_type"]))
-            for v in value.values():
-                collect(v)
-
-    for name in ("rope_parameters", "rope_scaling"):
-        collect(getattr(config, name, None))
-    return any("dynamic" in t or t == "longrope" for t in types)
 
 
 def _get(kwargs: dict, config, name: str):

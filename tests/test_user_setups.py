@@ -496,6 +496,44 @@ def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_callers_cache_on_a_model_whose_rope_depends_on_the_forwards_length_is_not_pre_filled():
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)
+    ids, mask = left_padded_batch([40, 26], seed=0)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    pool = PagePool.from_model(model, max_tokens=2048, page_size=4, max_seq_len=128)
+    for _ in range(2):
+        with PagedCache(pool, ids, mask, model=model) as cache:
+            assert cache.get_seq_length() == 0  # a prefix rotated for another forward's length is not stock's
+            model.generate(ids, **kw, past_key_values=cache)
+    assert pool.stats()["prefix_hit_tokens"] == 0 and _used(pool) == 0
+
+
+@pytest.mark.parametrize("output", ["output_hidden_states", "output_attentions"])
+def test_a_pre_filled_cache_of_the_callers_starts_empty_in_a_call_asking_for_every_prompt_positions_outputs(output):
+    model = tiny_model("llama")
+    model.set_attn_implementation("eager")
+    ids, mask = left_padded_batch([5, 8, 3], seed=0)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True,
+              **{output: True})
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        pool = astrai_hf.get_pool(patched)
+        patched.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)  # fills the prefix cache
+        with PagedCache(pool, ids, mask) as cache:
+            assert cache.get_seq_length() > 0  # pre-filled
+            got = patched.generate(ids, **kw, **{astrai_hf.cache_kwarg(patched): cache})
+        assert torch.equal(got.sequences, ref.sequences)
+        field = "hidden_states" if output == "output_hidden_states" else "attentions"
+        for step_got, step_ref in zip(getattr(got, field), getattr(ref, field)):
+            for a, b in zip(step_got, step_ref):
+                assert a.shape == b.shape  # every prompt position, as stock's fresh cache gives
+        for a, b in zip(getattr(got, field)[0], getattr(ref, field)[0]):
+            real = mask.bool()[:, :, None] if a.dim() == 3 else mask.bool()[:, None, :, None]
+            torch.testing.assert_close(a * real, b * real, rtol=1e-5, atol=1e-5)
+        assert _used(pool) == 0
+
+
 def test_gradients_of_the_inputs_of_a_frozen_model_equal_stock():
     model = tiny_model("llama")
     model.requires_grad_(False)  # prompt tuning, saliency: only the inputs require grad
