@@ -107,6 +107,18 @@ class _Rows:
 PATCH_STATE_ATTR = "_astrai_patch_state"  # where patch() keeps a patched model's state (on the model's __dict__)
 
 
+def autocast_on(pool: PagePool) -> bool:
+    """Whether ``torch.autocast`` is on for a device type the pool's layers are on (a type autocast does not know,
+    such as meta, has it off)."""
+    for device_type in {d.type for d in pool.config.layer_devices}:
+        try:
+            if torch.is_autocast_enabled(device_type):
+                return True
+        except RuntimeError:
+            continue
+    return False
+
+
 def forget_rope_deltas(model: torch.nn.Module) -> None:
     """Drop the M-RoPE offsets (``rope_deltas``, Qwen2-VL and its kin) that ``model``'s modules keep from their last
     call, before a text call starts from a cache the prefix cache pre-filled.
@@ -255,6 +267,8 @@ class PagedCache(Cache):
             # prefix for another forward than the one stock runs over the whole prompt.
             if ids_outside_vocabulary(target, input_ids) or rope_depends_on_length(getattr(target, "config", None)):
                 prefix_cache = self._rows.insert_on_release = False
+        if prefix_cache and autocast_on(pool):  # (plan_step keeps a step under autocast out of the prefix cache)
+            prefix_cache = False
         if prefix_cache and pool.prefix_cache is not None and L > 1:
             if target is not None:
                 pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
@@ -506,6 +520,16 @@ class PagedCache(Cache):
             )
         if self.prefilled_from_prefix_cache and not self.made_by_generate:
             self._check_prefilled_positions(q_len, given_positions, paged)
+        if autocast_on(self.pool):
+            # K/V computed under torch.autocast are rounded to its dtype: no prefix for a later call, and a prefix
+            # computed without it is not what stock computes for the whole prompt under it
+            if self.prefilled_from_prefix_cache:
+                raise ValueError(
+                    f"this PagedCache starts pre-filled with {self.logical_len} columns from the prefix cache, "
+                    "computed without torch.autocast, and its first forward runs under autocast (stock computes the "
+                    "whole prompt in autocast's dtype); build the cache with prefix_cache=False for this call"
+                )
+            self._rows.reusable = False
         step, failed = None, None
         with interrupts_deferred():
             try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention, packing
-from .cache import PATCH_STATE_ATTR, PagedCache, cache_kwarg, forget_rope_deltas, left_padding
+from .cache import PATCH_STATE_ATTR, PagedCache, autocast_on, cache_kwarg, forget_rope_deltas, left_padding
 from .config import KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
@@ -1650,7 +1650,7 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # K/V computed under autocast are rounded to its dtype; with a RoPE whose frequencies depend on the longest
     # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the
     # one stock runs over the whole prompt
-    autocast = torch.is_autocast_enabled(pool.config.layer_devices[0].type)
+    autocast = autocast_on(pool)
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
     dropout = model.training and dropout_active(model)

@@ -217,6 +217,42 @@ def test_kv_computed_under_autocast_never_serve_a_later_call_in_the_pools_dtype(
         assert _used(astrai_hf.get_pool(model)) == 0
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_callers_cache_under_autocast_gives_stocks_tokens_and_serves_no_later_call(patched):
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.div_(3.0)  # flatter logits: bf16-rounded K/V change a token
+    ids, mask = left_padded_batch([30, 17], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_autocast = model.generate(ids, **kw)
+    ref = model.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=2048, page_size=4)
+    with astrai_hf.patched(model, pool=pool) if patched else contextlib.nullcontext():
+        kwarg = astrai_hf.cache_kwarg(model)
+        with PagedCache(pool, ids, mask) as cache, torch.autocast("cpu", dtype=torch.bfloat16):
+            # a cache of the caller's: its rows are not laid out for decoding in place, so attention also runs
+            # over gathered K/V, in autocast's dtype
+            got = model.generate(ids, **kw, **{kwarg: cache})
+        assert torch.equal(got.sequences, ref_autocast.sequences)
+        with PagedCache(pool, ids, mask) as cache:
+            assert cache.get_seq_length() == 0  # nothing computed under autocast was kept
+            got = model.generate(ids, **kw, **{kwarg: cache})
+        assert torch.equal(got.sequences, ref.sequences)
+        for a, b in zip(got.scores, ref.scores):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        with PagedCache(pool, ids, mask) as cache:  # pre-filled, without autocast
+            assert cache.get_seq_length() > 0
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if patched:  # a patched generate() sees the call: the cache starts empty
+                    assert torch.equal(model.generate(ids, **kw, **{kwarg: cache}).sequences, ref_autocast.sequences)
+                else:
+                    with pytest.raises(ValueError, match=r"pre-filled with \d+ columns.*torch.autocast.*"
+                                                         r"prefix_cache=False"):
+                        model.generate(ids, **kw, **{kwarg: cache})
+        assert _used(pool) == 0
+
+
 @pytest.mark.parametrize("change", ["load_state_dict(assign=True)", ".half().float()", "optimizer step, then save"])
 def test_weights_replaced_or_changed_drop_the_cached_prefixes(change, tmp_path):
     def weights():

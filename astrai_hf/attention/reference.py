@@ -57,7 +57,8 @@ def paged_attention(
                 out[rows[0] : rows[-1] + 1] = paged_attention(query[rows[0] : rows[-1] + 1], k_cache, v_cache, sub, **kw)
             else:
                 index = sub.on(query.device).rows_index(rows)
-                out[index] = paged_attention(query.index_select(0, index), k_cache, v_cache, sub, **kw)
+                # (under torch.autocast attention comes out in autocast's dtype; an index_put does not cast)
+                out[index] = paged_attention(query.index_select(0, index), k_cache, v_cache, sub, **kw).to(out.dtype)
         return out
     B, H, q, D = query.shape
     view = meta.on(query.device)
@@ -101,7 +102,7 @@ def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_wind
         out[index] = paged_attention(
             query.index_select(0, index), k_cache, v_cache, meta.select(rest),
             scaling=scaling, sliding_window=sliding_window, softcap=softcap,
-        )
+        ).to(out.dtype)
     return out
 
 
