@@ -259,7 +259,7 @@ class PagedCache(Cache):
         self._prompt_ids = [row[p:] for row, p in zip(input_ids.tolist(), pads)]
         self._prompt_width = L
         target = model if model is not None else pool.model
-        if target is not None and prefix_cache:
+        if prefix_cache:
             from .packing import ids_outside_vocabulary
 
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
@@ -516,7 +516,9 @@ class PagedCache(Cache):
             raise ValueError(
                 f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {q_len} columns from the "
                 f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
-                "input_ids[:, cache.get_seq_length():], as generate() does, or build the cache with prefix_cache=False"
+                "input_ids[:, cache.get_seq_length():], as generate() does, or build the cache with prefix_cache=False "
+                "(for new columns that repeat the prompt's tokens, pass an attention_mask over every column or their "
+                "position_ids)"
             )
         if self.prefilled_from_prefix_cache and not self.made_by_generate:
             self._check_prefilled_positions(q_len, given_positions, paged)
@@ -595,7 +597,9 @@ class PagedCache(Cache):
                      if any(pos != L - p + j for j, pos in enumerate(row) if L - p + j >= 0)]
             if not wrong:
                 return
-            if all(row[0] == 0 or (p < q_len and row[p] == 0) for row, p in zip(rows, pads)):
+            whole_prompt = self._prompt_width is not None and q_len >= self._prompt_width
+            if not paged and whole_prompt and all(
+                    rows[r][0] == 0 or (pads[r] < q_len and rows[r][pads[r]] == 0) for r in wrong):
                 raise ValueError(
                     f"this PagedCache starts pre-filled with {L} columns from the prefix cache, and the first forward "
                     f"feeds {q_len} columns from the prompt's first position again (as assisted and prompt-lookup "
@@ -937,21 +941,22 @@ class PagedCache(Cache):
                 # an unfinished step: stock's layers would be of different lengths now; here the missing layers'
                 # columns hold nothing
                 shape, (rows_done, q_done) = (key_states.shape[0], key_states.shape[2]), self._step_shape
-                if shape != self._step_shape:  # in the same forward: another sequence's K/V
-                    self.release()
-                    raise ValueError(
-                        f"layer {layer_idx} stores K/V of {shape[1]} tokens x {shape[0]} rows before every layer "
-                        f"stored the step of {q_done} x {rows_done} it is in: a PagedCache holds the "
-                        "self-attention K/V of the rows it was fed (an encoder-decoder model's cross-attention K/V "
-                        "cannot go in it), one step after another (a forward that stopped midway leaves a step "
-                        "unfinished)"
-                    )
-                raise ValueError(
-                    f"the previous forward stopped after {len(self._step_layers)} of {self._num_storing_layers} "
-                    f"layers stored their K/V (an exception inside the model?), so its {q_done} new "
-                    f"column{'s are' if q_done != 1 else ' is'} not filled in every layer; call "
-                    f"cache.crop(-{q_done}) to drop them before feeding again (a patched model drops them itself)"
+                stopped = (
+                    f"stopped after {len(self._step_layers)} of {self._num_storing_layers} layers stored their K/V "
+                    f"(an exception inside the model?), so its {q_done} new column{'s are' if q_done != 1 else ' is'} "
+                    f"not filled in every layer; call cache.crop(-{q_done}) to drop them before feeding again (a "
+                    "patched model drops them itself)"
                 )
+                if shape != self._step_shape:
+                    # a new forward of another length, or a second set of K/V in the same forward: the cache is
+                    # kept as it is, so that crop() can mend the first case
+                    raise ValueError(
+                        f"layer {layer_idx} stores K/V of {shape[1]} tokens x {shape[0]} rows while the step of "
+                        f"{q_done} x {rows_done} is unfinished. Either the previous forward {stopped}; or this "
+                        "forward stores a second set of K/V in a layer (a PagedCache holds the self-attention K/V of "
+                        "the rows it was fed: an encoder-decoder model's cross-attention K/V cannot go in it)"
+                    )
+                raise ValueError(f"the previous forward {stopped}")
             B, _, q, _ = key_states.shape
             step = self.plan_step(B, q, position_ids=position_ids, paged=False)
         if first and position_ids is not None and isinstance(step, StepMetadata):
@@ -1165,23 +1170,29 @@ class PagedCache(Cache):
     def _select_rows(self, idx: list[int]) -> None:
         self._step, self._pending_known = None, None
         n_old = len(self._rows.req_rows)
-        before = self._num_pad, self._prompt_ids, self._prompt_pads
+        before = self._num_pad, self._prompt_ids, self._prompt_pads, self.prefix_hit_tokens
         if self._num_pad is not None:
-            bad = [i for i in idx if not -len(self._num_pad) <= i < len(self._num_pad)]
+            n = len(self._num_pad)
+            bad = [i for i in idx if not -n <= i < n]
             if bad:
-                raise ValueError(f"row indices {bad} are out of range for a cache of {len(self._num_pad)} rows")
-            if self._prompt_ids is not None and len(self._prompt_ids) == len(self._num_pad):
+                raise ValueError(f"row indices {bad} are out of range for a cache of {n} rows")
+            if self._prompt_ids is not None and len(self._prompt_ids) == n:
                 self._prompt_ids = [self._prompt_ids[i] for i in idx]
             self._num_pad = [self._num_pad[i] for i in idx]
-        if self._prompt_pads is not None and n_old == 0:
-            self._prompt_pads = [self._prompt_pads[i] for i in idx]
+            if n_old == 0 or not self._first_step_planned:
+                # (a cache pre-filled from the prefix cache holds rows before its first step: its prompt's padding
+                # and hits, which that step is checked against, follow the rows)
+                if self._prompt_pads is not None and len(self._prompt_pads) == n:
+                    self._prompt_pads = [self._prompt_pads[i] for i in idx]
+                if len(self.prefix_hit_tokens) == n:
+                    self.prefix_hit_tokens = [self.prefix_hit_tokens[i] for i in idx]
         if n_old == 0:
             return
         with interrupts_deferred():
             try:
                 self._reassign_rows(idx)
             except BaseException:  # no request rows for the new ones (CacheFullError): the cache is left as it was
-                self._num_pad, self._prompt_ids, self._prompt_pads = before
+                self._num_pad, self._prompt_ids, self._prompt_pads, self.prefix_hit_tokens = before
                 raise
 
     def _reassign_rows(self, idx: list[int]) -> None:

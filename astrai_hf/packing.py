@@ -66,14 +66,17 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
 def ids_outside_vocabulary(model, input_ids: torch.Tensor) -> bool:
     """Whether ``input_ids`` (any shape, integer) hold an id outside ``[0, num_embeddings)`` of the model's input
     embeddings, which stock's forward fails on (``IndexError``) even under the mask: a step that skips such a
-    column (packed, or fed after a prefix-cache hit) must not run instead. False when the size is unknown. One host
-    read (a device sync)."""
+    column (packed, or fed after a prefix-cache hit) must not run instead. Where the size is unknown (``model``
+    None, or no embedding table), only negative ids (``-100`` padding) count. One host read (a device sync)."""
     try:
         size = getattr(model.get_input_embeddings(), "num_embeddings", None)
     except (AttributeError, NotImplementedError):
         size = None
-    return isinstance(size, int) and input_ids.numel() > 0 and not bool(
-        0 <= input_ids.min() and input_ids.max() < size)
+    if input_ids.numel() == 0:
+        return False
+    if not isinstance(size, int):
+        return bool(input_ids.min() < 0)
+    return not bool(0 <= input_ids.min() and input_ids.max() < size)
 
 
 def packed_forward(forward, kwargs: dict, cache, state, step: StepMetadata, input_ids: torch.Tensor,

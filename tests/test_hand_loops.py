@@ -1,6 +1,8 @@
 """Forwards of the caller's own on a PagedCache (research code's decode loops), against DynamicCache: the same
 logits, the Cache API transformers' own code and users reach for, and masks only a hand-written loop makes."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -354,6 +356,64 @@ def test_a_forward_that_failed_midway_on_an_unpatched_model_is_named_on_the_next
             assert cache.get_seq_length() == 9
             got = model(input_ids=tok, attention_mask=m2, **kw(cache)).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_forward_of_another_length_after_one_that_failed_midway_keeps_the_cache_for_crop():
+    # it had been taken for cross-attention K/V: the cache was released, and after the crop() the message advised,
+    # the next forwards ran on an empty cache without a word
+    model = tiny_model("llama", seed=1)
+    ids, mask = left_padded_batch([4, 9], seed=2)
+    kw = lambda cache: {astrai_hf.cache_kwarg(model): cache, "use_cache": True}  # noqa: E731
+    ones = lambda n: torch.ones(2, n, dtype=mask.dtype)  # noqa: E731
+    two = torch.tensor([[5, 7], [6, 8]])
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    with torch.no_grad():
+        dynamic = _dynamic(model)
+        model(input_ids=ids, attention_mask=mask, **kw(dynamic))
+        want = model(input_ids=two, attention_mask=torch.cat([mask, ones(2)], 1), **kw(dynamic)).logits
+        with PagedCache(pool, prefix_cache=False) as cache:
+            model(input_ids=ids, attention_mask=mask, **kw(cache))
+            hook = model.model.layers[0].self_attn.register_forward_hook(lambda *_: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                model(input_ids=two[:, :1], attention_mask=torch.cat([mask, ones(1)], 1), **kw(cache))
+            hook.remove()
+            with pytest.raises(ValueError, match=r"stores K/V of 2 tokens x 2 rows while the step of 1 x 2 is "
+                                                 r"unfinished.*stopped after 1 of 2 layers.*cache.crop\(-1\)"):
+                model(input_ids=two, attention_mask=torch.cat([mask, ones(2)], 1), **kw(cache))
+            assert cache.get_seq_length() == 10
+            cache.crop(-1)
+            got = model(input_ids=two, attention_mask=torch.cat([mask, ones(2)], 1), **kw(cache)).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("patched", [False, True])
+@pytest.mark.parametrize("select", ["reorder_cache([1, 0])", "batch_select_indices([1])", "batch_select_indices([0])"])
+def test_rows_of_a_pre_filled_cache_selected_before_its_first_forward_continue_at_their_own_positions(select, patched):
+    # the prompt's padding stayed in the old row order, so generate()'s positions for the selected rows were refused
+    model = tiny_model("llama", seed=3)
+    ids, mask = left_padded_batch([3, 12], seed=7)  # row 0: 9 columns of padding
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    idx = [1, 0] if select.startswith("reorder") else [int(select[-3])]
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    kwarg = astrai_hf.cache_kwarg(model)
+    with astrai_hf.patched(model, pool=pool):
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)  # the prompts, cached
+    with torch.no_grad(), astrai_hf.patched(model, pool=pool) if patched else contextlib.nullcontext():
+        with PagedCache(pool, ids, mask) as cache:
+            L = cache.get_seq_length()
+            assert L == 11
+            dynamic = _dynamic(model)
+            model(input_ids=ids[:, :L], attention_mask=mask[:, :L], position_ids=positions[:, :L], **{kwarg: dynamic})
+            for c in (dynamic, cache):
+                if select.startswith("reorder"):
+                    c.reorder_cache(torch.tensor(idx))
+                else:
+                    c.batch_select_indices(torch.tensor(idx))
+            logits = [model(input_ids=ids[idx, L:], attention_mask=mask[idx], position_ids=positions[idx, L:],
+                            **{kwarg: c}).logits[:, -1] for c in (dynamic, cache)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     assert pool.stats()["num_used_pages"] == 0
 
 

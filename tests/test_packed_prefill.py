@@ -120,6 +120,18 @@ def test_a_masked_pad_id_outside_the_vocabulary_fails_as_stock_does(spy, pad):
                     model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2,
                                    **{cache_kwarg(model): cache})
         assert pool.stats()["num_used_pages"] == 0
+    if pad < 0:  # a pool bound to no model, and a cache told of none: a negative id is outside any vocabulary
+        unbound = PagePool(model.config, max_tokens=4096, page_size=PAGE)
+        with PagedCache(unbound, ids.masked_fill(mask == 0, 0), mask) as cache:
+            model.generate(ids.masked_fill(mask == 0, 0), attention_mask=mask, do_sample=False, max_new_tokens=2,
+                           **{cache_kwarg(model): cache})
+        assert unbound.stats()["prefix_cache_pages"] > 0
+        with PagedCache(unbound, ids, mask) as cache:
+            assert cache.get_seq_length() == 0
+            with pytest.raises(IndexError):
+                model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2,
+                               **{cache_kwarg(model): cache})
+        assert unbound.stats()["num_used_pages"] == 0
 
 
 def test_fallback_for_a_family_not_known_to_be_position_wise(spy, monkeypatch):

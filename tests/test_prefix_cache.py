@@ -1055,6 +1055,25 @@ def test_a_pre_filled_padded_cache_fed_at_positions_that_do_not_continue_its_kv_
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("patched", [False, True])
+def test_wrong_positions_in_one_row_of_a_pre_filled_cache_are_named_as_such(llama, patched):
+    # a row whose right position is 0 (all its tokens in this forward) had made wrong positions in the other row
+    # read as the prompt fed again from its first position, with advice that did not apply
+    pool = _pool(llama, max_tokens=1024, page_size=4)
+    ids, mask = _batch([_tokens(1, seed=70), _tokens(8, seed=71)])
+    _generate(llama, pool, ids, mask, max_new_tokens=2)
+    with astrai_hf.patched(llama, pool=pool) if patched else contextlib.nullcontext():
+        with PagedCache(pool, ids, mask, model=llama) as cache:
+            L = cache.get_seq_length()
+            assert L == 7
+            with pytest.raises(ValueError, match=r"positions in rows \[1\] that do not continue them.*"
+                                                 r"rows start at \[0, 7\]"):
+                llama(input_ids=ids[:, L:], attention_mask=mask, position_ids=torch.zeros(2, 1, dtype=torch.long),
+                      **{_kw(llama): cache})
+    _assert_pool_idle(pool)
+
+
+@torch.no_grad()
 def test_prompt_lookup_on_an_unpatched_model_with_a_pre_filled_cache_says_what_to_do(llama):
     # its first forward feeds the prompt (and candidates) from column 0 whatever the cache holds; the check of
     # positions had named left padding and position_ids, which do not apply
