@@ -100,6 +100,8 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
     tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **gguf)
     model = model.eval()
+    if gguf or name is None:  # read from a GGUF file (the embedded model was converted from one)
+        _special_tokens_as_in_config(tokenizer, model.config)
     if device is not None:
         model = model.to(device)
     if tokenizer.pad_token_id is None:
@@ -150,6 +152,7 @@ def embedded_model_path() -> Path:
         model.generation_config = quantized.generation_config
         tmp = target.with_name(target.name + ".partial")
         model.save_pretrained(tmp)
+        _special_tokens_as_in_config(tokenizer, quantized.config)
         tokenizer.padding_side = "left"  # what generate() needs; saved, so any loader of the folder gets it
         tokenizer.init_kwargs["padding_side"] = "left"  # save_pretrained writes the init kwargs, not the attribute
         if tokenizer.pad_token_id is None:
@@ -158,6 +161,18 @@ def embedded_model_path() -> Path:
         tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
         bar.update()
     return target
+
+
+def _special_tokens_as_in_config(tokenizer, config) -> None:
+    """Give a tokenizer read from a GGUF file the BOS, EOS and padding tokens of the model's config, which
+    transformers reads from the same file's ``tokenizer.ggml.*_token_id`` fields. Some transformers releases (5.17)
+    read the tokenizer's own wrong: SmolLM2's EOS as ``<|im_start|>`` and no padding token, so a batch padded with
+    another id than on newer releases."""
+    for kind in ("bos", "eos", "pad"):
+        token_id = getattr(config, f"{kind}_token_id", None)
+        if (isinstance(token_id, int) and 0 <= token_id < len(tokenizer)
+                and getattr(tokenizer, f"{kind}_token_id") != token_id):
+            setattr(tokenizer, f"{kind}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _pad_on_the_left(tokenizer_config: Path) -> None:

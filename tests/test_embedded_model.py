@@ -92,6 +92,11 @@ def test_a_gguf_file_loads_as_the_converted_folder_does(smollm):
     model, tokenizer = smollm
     gguf_model, gguf_tokenizer = load_model(str(embedded_gguf()))
     assert gguf_tokenizer.padding_side == "left"
+    # the file's EOS and padding token (transformers 5.17 read the tokenizer's EOS as <|im_start|>, and no padding)
+    config = gguf_model.config
+    for t in (gguf_tokenizer, tokenizer):
+        assert (t.bos_token_id, t.eos_token_id, t.pad_token_id) == (config.bos_token_id, config.eos_token_id,
+                                                                    config.pad_token_id) == (1, 2, 2)
     inputs = _batch(gguf_tokenizer)
     assert torch.equal(inputs["input_ids"], _batch(tokenizer)["input_ids"])
     for a, b in zip(gguf_model.state_dict().values(), model.state_dict().values()):

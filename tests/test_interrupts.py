@@ -19,6 +19,14 @@ from tiny_models import tiny_model
 KW = dict(max_new_tokens=6, do_sample=False)
 
 
+@pytest.fixture(autouse=True)
+def _sigint_raises():
+    # a shell starts a background job (`pytest &`) with SIGINT ignored; these tests are about Python's own handler
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 def _clean(pool):
     gc.collect()
     s = pool.stats()

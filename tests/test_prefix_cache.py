@@ -1059,6 +1059,9 @@ def test_a_pre_filled_padded_cache_fed_at_positions_that_do_not_continue_its_kv_
 def test_wrong_positions_in_one_row_of_a_pre_filled_cache_are_named_as_such(llama, patched):
     # a row whose right position is 0 (all its tokens in this forward) had made wrong positions in the other row
     # read as the prompt fed again from its first position, with advice that did not apply
+    if not patched and Version(transformers.__version__) < Version("5.24"):
+        # unpatched, the cache sees the forward only through update(), which this release hands no positions
+        pytest.skip("this transformers release hands update() no position_ids")
     pool = _pool(llama, max_tokens=1024, page_size=4)
     ids, mask = _batch([_tokens(1, seed=70), _tokens(8, seed=71)])
     _generate(llama, pool, ids, mask, max_new_tokens=2)
