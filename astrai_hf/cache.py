@@ -265,7 +265,8 @@ class PagedCache(Cache):
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt.
-            if ids_outside_vocabulary(target, input_ids) or rope_depends_on_length(getattr(target, "config", None)):
+            if (ids_outside_vocabulary(target, input_ids) or rope_depends_on_length(getattr(target, "config", None))
+                    or getattr(pool, "rope_by_length", False)):
                 prefix_cache = self._rows.insert_on_release = False
         if prefix_cache and autocast_on(pool):  # (plan_step keeps a step under autocast out of the prefix cache)
             prefix_cache = False
@@ -281,23 +282,23 @@ class PagedCache(Cache):
 
     @property
     def prefilled_from_prefix_cache(self) -> bool:
-        """True while this cache holds only what the prefix cache served (no step has run on it)."""
-        return not self._first_step_planned and any(self.prefix_hit_tokens)
+        """True while this cache holds only what the prefix cache served (no step has run on it). Columns served
+        stay served when the rows kept by a row selection hold none of their tokens (only padding there)."""
+        return not self._first_step_planned and self.logical_len > 0
 
-    def forget_prefix_hits(self) -> None:
-        """Start empty after all, keeping the prompt: a cache that was pre-filled from the prefix cache and has
-        run no step yet drops its hit (the pages stay cached). A patched ``generate()`` calls it when the call
-        cannot build on a pre-filled cache (candidate decoding, dropout in training mode)."""
-        if self._first_step_planned or not any(self.prefix_hit_tokens):
-            return
+    def leave_prefix_cache(self) -> None:
+        """Neither build on the prefix cache nor fill it: a cache that was pre-filled from it and has run no step
+        yet drops its hit and starts empty, keeping the prompt (the pages stay cached), and no K/V this cache holds
+        are offered to it on release. A patched ``generate()`` calls it for a cache of the caller's when the call
+        can neither read nor fill the prefix cache (candidate decoding, inputs_embeds or token types, outputs of
+        every prompt position, autocast, dropout in training mode; see the README's prefix-cache section)."""
         rows = self._rows
-        insert, rows.insert_on_release = rows.insert_on_release, False
-        try:
+        if self.prefilled_from_prefix_cache:
+            rows.insert_on_release = False
             rows.release()
-        finally:
-            rows.insert_on_release = insert
-        self.logical_len = 0
-        self.prefix_hit_tokens = [0] * len(self.prefix_hit_tokens)
+            self.logical_len = 0
+            self.prefix_hit_tokens = [0] * len(self.prefix_hit_tokens)
+        rows.insert_on_release = False
 
     def fit_to(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Make this cache fit a ``generate()`` call on ``input_ids`` [B, W], the whole sequence so far (or only the
@@ -937,16 +938,11 @@ class PagedCache(Cache):
                 layer_kwargs = args[0]
             position_ids = layer_kwargs.get("position_ids") if isinstance(layer_kwargs, dict) else None
         if step is None or layer_idx in self._step_layers:
-            if step is not None and not step.paged and len(self._step_layers) < self._num_storing_layers:
+            stopped = self._unfinished_step()
+            if stopped is not None:
                 # an unfinished step: stock's layers would be of different lengths now; here the missing layers'
                 # columns hold nothing
                 shape, (rows_done, q_done) = (key_states.shape[0], key_states.shape[2]), self._step_shape
-                stopped = (
-                    f"stopped after {len(self._step_layers)} of {self._num_storing_layers} layers stored their K/V "
-                    f"(an exception inside the model?), so its {q_done} new column{'s are' if q_done != 1 else ' is'} "
-                    f"not filled in every layer; call cache.crop(-{q_done}) to drop them before feeding again (a "
-                    "patched model drops them itself)"
-                )
                 if shape != self._step_shape:
                     # a new forward of another length, or a second set of K/V in the same forward: the cache is
                     # kept as it is, so that crop() can mend the first case
@@ -1030,6 +1026,18 @@ class PagedCache(Cache):
             self.release()
             raise
         return key_states, value_states
+
+    def _unfinished_step(self) -> str | None:
+        """How the last step stopped when some layers stored its K/V and others not (an unpatched model whose
+        forward raised midway), naming the ``crop()`` that drops it; None when no step is unfinished."""
+        step = self._step
+        if step is None or step.paged or not self._step_layers or len(self._step_layers) >= self._num_storing_layers:
+            return None
+        q_done = self._step_shape[1]
+        return (f"stopped after {len(self._step_layers)} of {self._num_storing_layers} layers stored their K/V "
+                f"(an exception inside the model?), so its {q_done} new column{'s are' if q_done != 1 else ' is'} "
+                f"not filled in every layer; call cache.crop(-{q_done}) to drop them before feeding again (a "
+                "patched model drops them itself)")
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of the rectangle generate() has fed so far (padding included). A layer asking during a forward,
@@ -1168,6 +1176,9 @@ class PagedCache(Cache):
         return t.reshape(-1).tolist()
 
     def _select_rows(self, idx: list[int]) -> None:
+        stopped = self._unfinished_step()
+        if stopped is not None:  # (the rows would move with columns some layers lack; stock's next forward fails)
+            raise ValueError(f"cannot reorder or select the rows of this PagedCache: the previous forward {stopped}")
         self._step, self._pending_known = None, None
         n_old = len(self._rows.req_rows)
         before = self._num_pad, self._prompt_ids, self._prompt_pads, self.prefix_hit_tokens

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="astrai-hf",
         description="astrai-hf: paged KV cache, prefix cache and paged attention behind transformers generate(). "
                     "Commands: demo, generate, run, bench.")
-    model_help = "HF model id or local folder (default: embedded SmolLM2-135M-Instruct)"
+    model_help = "HF model id, local folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
     parser.add_argument("--model", default=None, help=model_help)
     from . import __version__
 

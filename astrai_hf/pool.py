@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .allocator import PageAllocator
-from .config import KVSpec, PagePoolConfig, as_count, as_flag, as_int, page_bytes_by_device
+from .config import KVSpec, PagePoolConfig, as_count, as_flag, as_int, page_bytes_by_device, rope_depends_on_length
 from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
 from .prefix_cache import PrefixCache
@@ -105,6 +105,8 @@ class PagePool:
             max_seq_len = min(getattr(text, "max_position_embeddings", None) or capacity, capacity)
         if max_reqs is None:
             max_reqs = DEFAULT_MAX_REQS
+        # a RoPE whose frequencies follow the forward's length: no prefix reuse for a cache of this config's model
+        self.rope_by_length = rope_depends_on_length(config)
         self.config = PagePoolConfig(
             spec=spec,
             page_size=page_size,

@@ -44,6 +44,31 @@ def test_a_missing_model_folder_is_one_line(tmp_path, capsys):
     assert err.strip() == f"astrai-hf: cannot load the model: model path {missing!r} does not exist"
 
 
+@pytest.mark.parametrize("name", ["missing.gguf", "sub/missing.GGUF"])
+def test_a_missing_gguf_file_is_one_line_not_a_hub_lookup(name, tmp_path, monkeypatch, capsys):
+    # a relative .gguf name had gone to the hub as a model id (couldn't connect to huggingface.co)
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "hi", "--model", name]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"astrai-hf: cannot load the model: model path {name!r} does not exist"
+
+
+def test_a_file_that_is_no_gguf_file_is_one_line(tmp_path, capsys):
+    # transformers took it for a config file: "is not a valid JSON file"
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 16)
+    assert main(["generate", "hi", "--model", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"astrai-hf: cannot load the model: model path {str(path)!r} is a file, not a .gguf file")
+    assert "\n" not in err
+
+
+def test_the_model_option_names_gguf_files(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert ".gguf file" in " ".join(capsys.readouterr().out.split())
+
+
 def test_a_model_folder_without_tokenizer_files_is_one_line(tmp_path, capsys):
     # transformers' error began with a fragment of a sentence spread over several lines
     from tiny_models import tiny_model

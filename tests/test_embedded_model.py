@@ -63,7 +63,8 @@ def test_cli_generate_answers(smollm, capsys):
 
 def test_the_converted_folder_loads_padding_on_the_left(smollm, tmp_path, monkeypatch):
     # save_pretrained writes a tokenizer's init kwargs, not its padding_side attribute: the folder had loaded
-    # padding on the right, so a plain from_pretrained() script got a batch a patched generate() refuses
+    # padding on the right, so a plain from_pretrained() script got a batch a patched generate() refuses. A copy
+    # converted on transformers 5.17 named the EOS and padding token <|im_start|>: mended too
     import json
     import shutil
 
@@ -79,18 +80,28 @@ def test_the_converted_folder_loads_padding_on_the_left(smollm, tmp_path, monkey
         (old / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, old / f.name)
     settings = json.loads((old / "tokenizer_config.json").read_text())
     settings.pop("padding_side", None)
+    settings.update(eos_token="<|im_start|>", pad_token="<|im_start|>", eos_token_id=1, pad_token_id=1)
     (old / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert AutoTokenizer.from_pretrained(old).eos_token_id == 1
     monkeypatch.setenv("ASTRAI_HF_CACHE", str(tmp_path))
     assert embedded_model_path() == old
-    assert AutoTokenizer.from_pretrained(old).padding_side == "left"
+    mended = AutoTokenizer.from_pretrained(old)
+    assert mended.padding_side == "left"
+    assert (mended.bos_token_id, mended.eos_token_id, mended.pad_token_id) == (1, 2, 2)
+    assert mended.eos_token == "<|im_end|>"
+    written = (old / "tokenizer_config.json").read_text()
+    embedded_model_path()  # nothing left to mend: the file is not written again
+    assert (old / "tokenizer_config.json").read_text() == written
 
 
-def test_a_gguf_file_loads_as_the_converted_folder_does(smollm):
+def test_a_gguf_file_loads_as_the_converted_folder_does(smollm, tmp_path):
     # a path to a .gguf file had gone to from_pretrained() as a folder, which fails on it
     from astrai_hf.models import embedded_gguf, load_model
 
     model, tokenizer = smollm
-    gguf_model, gguf_tokenizer = load_model(str(embedded_gguf()))
+    upper = tmp_path / "SmolLM2.GGUF"  # the suffix in any case
+    upper.symlink_to(embedded_gguf())
+    gguf_model, gguf_tokenizer = load_model(str(upper))
     assert gguf_tokenizer.padding_side == "left"
     # the file's EOS and padding token (transformers 5.17 read the tokenizer's EOS as <|im_start|>, and no padding)
     config = gguf_model.config

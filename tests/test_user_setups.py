@@ -532,14 +532,19 @@ def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_callers_cache_on_a_model_whose_rope_depends_on_the_forwards_length_is_not_pre_filled():
+@pytest.mark.parametrize("bound", [True, False], ids=["pool bound to the model", "pool from its config, no model"])
+def test_a_callers_cache_on_a_model_whose_rope_depends_on_the_forwards_length_is_not_pre_filled(bound):
+    # a pool built from the config alone, and a cache told no model, had reused prefixes (scores 1.4e-3 off)
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)
     ids, mask = left_padded_batch([40, 26], seed=0)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
-    pool = PagePool.from_model(model, max_tokens=2048, page_size=4, max_seq_len=128)
+    if bound:
+        pool = PagePool.from_model(model, max_tokens=2048, page_size=4, max_seq_len=128)
+    else:
+        pool = PagePool(model.config, max_tokens=2048, page_size=4, max_seq_len=128)
     for _ in range(2):
-        with PagedCache(pool, ids, mask, model=model) as cache:
+        with PagedCache(pool, ids, mask, model=model if bound else None) as cache:
             assert cache.get_seq_length() == 0  # a prefix rotated for another forward's length is not stock's
             model.generate(ids, **kw, past_key_values=cache)
     assert pool.stats()["prefix_hit_tokens"] == 0 and _used(pool) == 0
@@ -568,6 +573,56 @@ def test_a_pre_filled_cache_of_the_callers_starts_empty_in_a_call_asking_for_eve
             real = mask.bool()[:, :, None] if a.dim() == 3 else mask.bool()[:, None, :, None]
             torch.testing.assert_close(a * real, b * real, rtol=1e-5, atol=1e-5)
         assert _used(pool) == 0
+
+
+@pytest.mark.parametrize("extra", ["output_hidden_states", "prompt_lookup_num_tokens"])
+def test_a_pre_filled_cache_whose_chosen_rows_hold_only_padding_of_the_cached_columns_still_starts_empty(extra):
+    # rows chosen before the first forward whose hits are all 0 (the cached columns are their padding): the cache
+    # had stayed 9 columns long in a call that skips the prefix cache (3 hidden-state positions of stock's 12, or
+    # candidate decoding refused as the prompt fed again)
+    model = tiny_model("llama", seed=3)
+    ids, mask = left_padded_batch([3, 12], seed=7)
+    one, m1 = ids[:1], mask[:1]
+    kw = dict(attention_mask=m1, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    kw[extra] = True if extra == "output_hidden_states" else 2
+    ref = model.generate(one, **kw)
+    with astrai_hf.patched(model, max_tokens=2048, page_size=4) as patched:
+        pool = astrai_hf.get_pool(patched)
+        patched.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=1, do_sample=False)
+        with PagedCache(pool, ids, mask) as cache:
+            assert cache.prefix_hit_tokens == [0, 9]
+            cache.batch_select_indices(torch.tensor([0]))
+            assert cache.get_seq_length() == 9 and cache.prefix_hit_tokens == [0]
+            got = patched.generate(one, **kw, **{astrai_hf.cache_kwarg(patched): cache})
+        assert torch.equal(got.sequences, ref.sequences)
+        for a, b in zip(got.scores, ref.scores):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        if extra == "output_hidden_states":
+            assert [h.shape for h in got.hidden_states[0]] == [h.shape for h in ref.hidden_states[0]]
+        assert _used(pool) == 0
+
+
+@pytest.mark.parametrize("arch,inputs", [("llama", "inputs_embeds"), ("gpt2", "token_type_ids")])
+def test_a_callers_cache_in_a_call_with_custom_inputs_leaves_nothing_in_the_prefix_cache(arch, inputs):
+    # K/V computed from the caller's embeddings (or token types) had gone into the prefix cache under the prompt's
+    # ids, and a later plain call was served them (scores 1.8 off)
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([9, 6], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    ref = model.generate(ids, **kw)
+    custom = (dict(inputs_embeds=model.get_input_embeddings()(ids).detach() * 1.7) if inputs == "inputs_embeds"
+              else dict(input_ids=ids, token_type_ids=torch.ones_like(ids)))
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        pool = astrai_hf.get_pool(patched)
+        with PagedCache(pool, ids, mask) as cache:
+            patched.generate(**custom, **kw, **{astrai_hf.cache_kwarg(patched): cache})
+        assert pool.stats()["num_cached_pages"] == 0
+        got = patched.generate(ids, **kw)
+        assert pool.stats()["prefix_hit_tokens"] == 0
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert _used(pool) == 0
 
 
 def test_gradients_of_the_inputs_of_a_frozen_model_equal_stock():
