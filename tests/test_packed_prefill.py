@@ -80,15 +80,22 @@ def test_no_padding_runs_the_rectangle_unless_chunked(spy):
     assert spy["chunks"] == [10, 10, 10, 6]
 
 
-def test_fallback_when_hidden_states_are_asked_for(spy):
+@pytest.mark.parametrize("output", ["hidden_states", "attentions"])
+def test_fallback_when_every_prompt_positions_outputs_are_asked_for(spy, output):
     model = tiny_model("llama")
+    model.set_attn_implementation("eager")  # (sdpa returns no attention weights)
     ids, mask = left_padded_batch([3, 11], seed=4)
-    kwargs = dict(max_new_tokens=4, output_hidden_states=True, return_dict_in_generate=True)
+    kwargs = dict(max_new_tokens=4, return_dict_in_generate=True, output_scores=True, **{f"output_{output}": True})
     ref = model.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
     out = _generate(model, ids, mask, **kwargs)
     assert spy["packed"] == 0
     assert torch.equal(out.sequences, ref.sequences)
-    assert out.hidden_states[0][-1].shape == ref.hidden_states[0][-1].shape  # every prompt position
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    got, want = getattr(out, output)[0][-1], getattr(ref, output)[0][-1]
+    assert got.shape == want.shape  # every prompt position
+    real = mask.bool()[:, :, None] if got.dim() == 3 else mask.bool()[:, None, :, None]
+    torch.testing.assert_close(got * real, want * real, rtol=1e-5, atol=1e-5)  # at real positions, as stock's
 
 
 @pytest.mark.parametrize("pad", [-100, 96 + 5], ids=["negative", "past-the-vocabulary"])
