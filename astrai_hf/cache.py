@@ -266,7 +266,7 @@ class PagedCache(Cache):
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt.
             if (ids_outside_vocabulary(target, input_ids) or rope_depends_on_length(getattr(target, "config", None))
-                    or getattr(pool, "rope_by_length", False)):
+                    or pool.rope_by_length):
                 prefix_cache = self._rows.insert_on_release = False
         if prefix_cache and autocast_on(pool):  # (plan_step keeps a step under autocast out of the prefix cache)
             prefix_cache = False
@@ -292,13 +292,11 @@ class PagedCache(Cache):
         are offered to it on release. A patched ``generate()`` calls it for a cache of the caller's when the call
         can neither read nor fill the prefix cache (candidate decoding, inputs_embeds or token types, outputs of
         every prompt position, autocast, dropout in training mode; see the README's prefix-cache section)."""
-        rows = self._rows
+        self._rows.insert_on_release = False
         if self.prefilled_from_prefix_cache:
-            rows.insert_on_release = False
-            rows.release()
+            self._rows.release()
             self.logical_len = 0
             self.prefix_hit_tokens = [0] * len(self.prefix_hit_tokens)
-        rows.insert_on_release = False
 
     def fit_to(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Make this cache fit a ``generate()`` call on ``input_ids`` [B, W], the whole sequence so far (or only the

@@ -106,7 +106,7 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
     tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **gguf)
     model = model.eval()
-    if gguf or name is None:  # read from a GGUF file (the embedded model was converted from one)
+    if gguf:  # (the embedded model's converted copy is mended on disk by embedded_model_path())
         _special_tokens_as_in_config(tokenizer, model.config)
     if device is not None:
         model = model.to(device)
