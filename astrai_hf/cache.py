@@ -152,7 +152,10 @@ class PagedCache(Cache):
     Args:
         pool: where the K/V go.
         input_ids: [B, L] int64, optional: the prompt. Its length is checked against the pool, and it is matched
-            against the prefix cache.
+            against the prefix cache. Used without ``patch()``, the cache cannot see the forward's inputs and takes
+            the K/V it stores for the prompt to be these ids': for a call that feeds ``inputs_embeds`` or token
+            types in their place, build it without ``input_ids`` or with ``prefix_cache=False`` (a patched
+            ``generate()`` sees them and leaves the prefix cache itself).
         attention_mask: [B, L] 0/1, optional: the prompt's left padding. Without it a one-row prompt is taken as
             unpadded; a batch without it is not matched, and its padding is read from the 2D attention mask of a
             patched forward, else from ``position_ids`` (transformers >= 5.24), else every column is stored.
@@ -212,7 +215,7 @@ class PagedCache(Cache):
         self._num_storing_layers = len(pool.config.spec.stored_layers)  # layers that call update() per step
         self.logical_len = 0
         self._rows = _Rows(pool)
-        self._rows.insert_on_release = prefix_cache
+        self._rows.insert_on_release = self._wants_prefix_cache = prefix_cache  # (release() restores the choice)
         self._finalizer = weakref.finalize(self, self._rows.release)
         self._num_pad: list[int] | None = None
         self._prompt_pads: list[int] | None = None
@@ -524,7 +527,9 @@ class PagedCache(Cache):
         if autocast_on(self.pool):
             # K/V computed under torch.autocast are rounded to its dtype: no prefix for a later call, and a prefix
             # computed without it is not what stock computes for the whole prompt under it
-            if self.prefilled_from_prefix_cache:
+            pads = self._prompt_pads
+            if self.prefilled_from_prefix_cache and (pads is None or any(p < self.logical_len for p in pads)):
+                # (rows whose served columns are all their padding hold no K/V computed without autocast)
                 raise ValueError(
                     f"this PagedCache starts pre-filled with {self.logical_len} columns from the prefix cache, "
                     "computed without torch.autocast, and its first forward runs under autocast (stock computes the "
@@ -583,8 +588,9 @@ class PagedCache(Cache):
         pads, L = self._prompt_pads, self.logical_len
         if pads is None:
             return
+        # (a row whose cached columns are all its padding, p >= L, holds no K/V whose positions could be contradicted)
         if position_ids is None:
-            if paged and any(p > 0 for p in pads):
+            if paged and any(0 < p < L for p in pads):
                 bad = "no position_ids (the model then counts the padding columns)"
             else:
                 return
@@ -593,7 +599,7 @@ class PagedCache(Cache):
             if rows is None:
                 return
             wrong = [r for r, (row, p) in enumerate(zip(rows, pads))
-                     if any(pos != L - p + j for j, pos in enumerate(row) if L - p + j >= 0)]
+                     if p < L and any(pos != L - p + j for j, pos in enumerate(row) if L - p + j >= 0)]
             if not wrong:
                 return
             whole_prompt = self._prompt_width is not None and q_len >= self._prompt_width
@@ -1244,10 +1250,10 @@ class PagedCache(Cache):
             raise ValueError(f"crop({max_length}): a positive value (the length to keep) is not supported by "
                              "transformers 5.18 and later; pass minus the number of columns to drop, as "
                              "DynamicCache.crop takes it")
-        self._step, self._pending_known = None, None
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)
-        if keep >= self.logical_len:
+        if keep >= self.logical_len:  # nothing dropped: an unfinished step stays so (its columns are still there)
             return
+        self._step, self._pending_known = None, None
         keep = max(keep, 0)
         self.logical_len = keep
         with interrupts_deferred():
@@ -1276,6 +1282,7 @@ class PagedCache(Cache):
     def release(self) -> None:
         """Return every page and request row to the pool. Safe to call more than once."""
         self._rows.release()
+        self._rows.insert_on_release = self._wants_prefix_cache  # a call that skipped the prefix cache is over
         self.logical_len = 0
         self._num_pad = None
         self._prompt_ids = None
@@ -1293,9 +1300,14 @@ class PagedCache(Cache):
 
         Raises:
             CacheFullError: the pool has too few free request rows for the copy.
+            ValueError: the last forward stopped midway (some layers stored its K/V, others not): ``crop()`` it first.
         """
-        twin = PagedCache(self.pool, prefix_cache=self._rows.insert_on_release,
+        stopped = self._unfinished_step()
+        if stopped is not None:  # (the copy would hold columns some layers lack, and not know it)
+            raise ValueError(f"cannot copy this PagedCache: the previous forward {stopped}")
+        twin = PagedCache(self.pool, prefix_cache=self._wants_prefix_cache,
                           reserve_new_tokens=self.reserve_new_tokens)
+        twin._rows.insert_on_release = self._rows.insert_on_release
         memo[id(self)] = twin
         if self.returned_by_generate:  # the released cache a patched generate() returned: so is its copy
             twin.made_by_generate = twin.returned_by_generate = True

@@ -205,11 +205,20 @@ def rope_depends_on_length(config) -> bool:
 
     def collect(value) -> None:
         if isinstance(value, dict):
-            if "rope_type" in value:
-                types.add(str(value["rope_type"]))
+            for key in ("rope_type", "type"):  # ("type": the name in older configs' rope_scaling)
+                if isinstance(value.get(key), str):
+                    types.add(value[key])
             for v in value.values():
                 collect(v)
 
-    for name in ("rope_parameters", "rope_scaling"):
-        collect(getattr(config, name, None))
+    configs = [config]
+    text_config = getattr(config, "get_text_config", None)
+    if callable(text_config):  # a multimodal model's language model has a config of its own (LLaVA, Gemma 3)
+        try:
+            configs.append(text_config(decoder=True))
+        except (TypeError, ValueError):  # (a config with several text configs and no decoder among them)
+            pass
+    for cfg in configs:
+        for name in ("rope_parameters", "rope_scaling"):
+            collect(getattr(cfg, name, None))
     return any("dynamic" in t or t == "longrope" for t in types)

@@ -53,13 +53,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.txt")
 
 
-def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | None = None,
+def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device: str | None = None,
                attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer.
 
     Args:
-        name: None for the embedded model; else a local folder, a ``.gguf`` file (read with the ``gguf``
-            package), or a model id that transformers can load (a hub id needs the files in the local hub cache or
+        name: None for the embedded model; else a local folder or a ``.gguf`` file (read with the ``gguf``
+            package), as a ``str`` or a path object (``~`` is expanded), or a model id that transformers can load (a hub id needs the files in the local hub cache or
             network access).
         dtype: weights dtype.
         device: where to put the model (None: CPU).
@@ -81,6 +81,10 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if name is not None:
+        if not isinstance(name, (str, os.PathLike)):
+            raise TypeError(f"name must be a str, a path or None, got {type(name).__name__}")
+        name = os.fspath(name)
     is_gguf = name is not None and name.lower().endswith(".gguf")
     if (name is not None and not Path(name).expanduser().exists()
             and (name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf)):
@@ -99,14 +103,15 @@ def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32, d
         # (transformers' error lists the tokenizer libraries it tried, over several lines)
         raise FileNotFoundError(f"model folder {name!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, "
                                 "...): save the tokenizer there too, tokenizer.save_pretrained(folder)")
-    path = embedded_model_path() if name is None else name
+    # a local folder goes to transformers as the expanded path (it would take "~/x" for a hub id)
+    path = embedded_model_path() if name is None else str(folder) if folder.exists() else name
     gguf = {}
     if folder is not None and folder.is_file() and is_gguf:  # one GGUF file: transformers reads it
         path, gguf = folder.parent, {"gguf_file": folder.name}
     tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **gguf)
     model = model.eval()
-    if gguf:  # (the embedded model's converted copy is mended on disk by embedded_model_path())
+    if gguf or name is None:  # (embedded_model_path() mends the converted copy on disk too, where it may write)
         _special_tokens_as_in_config(tokenizer, model.config)
     if device is not None:
         model = model.to(device)
@@ -126,7 +131,7 @@ def embedded_model_path() -> Path:
             with, is not installed.
     """
     target = cache_dir() / EMBEDDED_MODEL
-    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+    if _converted(target):
         _repair_converted_copy(target)
         return target
     import importlib.util
@@ -156,7 +161,13 @@ def embedded_model_path() -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config
-        tmp = target.with_name(target.name + ".partial")
+        import shutil
+        import tempfile
+
+        # a folder of this process's own: two processes converting at once do not write into one folder
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".", suffix=".partial"))
+        tmp.chmod(0o755)  # (mkdtemp makes it private; the copy is as readable as a folder save_pretrained makes)
         model.save_pretrained(tmp)
         _special_tokens_as_in_config(tokenizer, quantized.config)
         tokenizer.padding_side = "left"  # what generate() needs; saved, so any loader of the folder gets it
@@ -164,9 +175,21 @@ def embedded_model_path() -> Path:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.save_pretrained(tmp)
-        tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
+        if _converted(target):  # another process finished first: its copy is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            try:
+                tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not _converted(target):
+                    raise
         bar.update()
     return target
+
+
+def _converted(folder: Path) -> bool:
+    return (folder / "model.safetensors").exists() and (folder / "tokenizer_config.json").exists()
 
 
 def _special_tokens_as_in_config(tokenizer, config) -> None:
@@ -201,16 +224,36 @@ def _repair_converted_copy(folder: Path) -> None:
     for kind in ("bos", "eos", "pad"):
         token_id = config.get(f"{kind}_token_id")
         token = by_id.get(token_id) if isinstance(token_id, int) else None
-        if token is not None and settings.get(f"{kind}_token") != token:
+        saved = settings.get(f"{kind}_token")
+        if isinstance(saved, dict):  # (an AddedToken as transformers may save one)
+            saved = saved.get("content")
+        if token is not None and saved != token:
             settings[f"{kind}_token"] = token
             if f"{kind}_token_id" in settings:
                 settings[f"{kind}_token_id"] = token_id
             changed = True
     if not changed:
         return
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    try:
+        _write_atomically(path, json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    except OSError as e:  # a cache folder this process may not write: load_model() mends the tokenizer in memory
+        logger.warning("could not mend %s (%s); the tokenizer is mended in memory on each load_model()", path, e)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file of this process's own in the same folder, so that a
+    reader (or another process mending the same file) sees the old file or the new one, never a part."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, path.stat().st_mode & 0o777)  # (mkstemp makes it private)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

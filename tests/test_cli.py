@@ -186,6 +186,31 @@ def test_load_model_lets_transformers_pick_the_attention_a_family_supports(tmp_p
     assert tokenizer.padding_side == "left"
 
 
+@pytest.mark.parametrize("form", ["pathlib.Path", "~/folder"])
+def test_load_model_takes_a_path_object_and_a_folder_under_the_home_folder(form, tmp_path, monkeypatch):
+    # a pathlib.Path had failed on .lower(), and "~/folder" had gone to transformers unexpanded (a bad hub id)
+    import pathlib
+    import shutil
+
+    import transformers as T
+
+    from astrai_hf.models import embedded_model_path, load_model
+
+    folder = tmp_path / "models" / "tiny"
+    config = T.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+    T.LlamaForCausalLM(config).save_pretrained(folder)
+    for f in embedded_model_path().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    name = pathlib.Path(folder) if form == "pathlib.Path" else "~/models/tiny"
+    model, tokenizer = load_model(name)
+    assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.padding_side == "left"
+    with pytest.raises(TypeError, match="name must be a str, a path or None, got int"):
+        load_model(3)
+
+
 def test_a_folder_without_a_config_is_one_line_naming_what_is_missing(tmp_path, capsys):
     # transformers tried the tokenizer first, and the line ended mid-sentence on tokenizer libraries
     assert main(["generate", "hi", "--model", str(tmp_path)]) == 2

@@ -94,6 +94,93 @@ def test_the_converted_folder_loads_padding_on_the_left(smollm, tmp_path, monkey
     assert (old / "tokenizer_config.json").read_text() == written
 
 
+def _stale_copy(tmp_path):
+    """A converted copy as transformers 5.17 wrote it: EOS and padding named <|im_start|>."""
+    import json
+    import shutil
+
+    from astrai_hf.models import EMBEDDED_MODEL, embedded_model_path
+
+    folder = embedded_model_path()
+    old = tmp_path / EMBEDDED_MODEL
+    old.mkdir()
+    for f in folder.iterdir():
+        (old / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, old / f.name)
+    settings = json.loads((old / "tokenizer_config.json").read_text())
+    settings.update(eos_token="<|im_start|>", pad_token="<|im_start|>")
+    (old / "tokenizer_config.json").write_text(json.dumps(settings))
+    return old
+
+
+def test_a_stale_copy_the_process_may_not_write_still_loads_right(smollm, tmp_path, monkeypatch):
+    # a cache folder of another user (or baked into an image): mending on disk failed with a read-only error
+    import astrai_hf.models as models
+
+    old = _stale_copy(tmp_path)
+    monkeypatch.setenv("ASTRAI_HF_CACHE", str(tmp_path))
+
+    def read_only(path, text):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(models, "_write_atomically", read_only)
+    before = (old / "tokenizer_config.json").read_text()
+    _, tokenizer = models.load_model()
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 2, 2)
+    assert tokenizer.padding_side == "left"
+    assert (old / "tokenizer_config.json").read_text() == before
+
+
+def test_copies_mended_at_once_by_several_workers_all_load_right(smollm, tmp_path):
+    # two processes mending one copy wrote one temporary file: the slower one's rename failed (22 of 100 rounds)
+    import json
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from astrai_hf.models import _repair_converted_copy
+
+    old = _stale_copy(tmp_path)
+    stale = (old / "tokenizer_config.json").read_text()
+    failures = []
+
+    def mend(barrier):
+        barrier.wait()
+        try:
+            _repair_converted_copy(old)
+        except Exception as e:  # noqa: BLE001 - every failure is the finding
+            failures.append(e)
+
+    for _ in range(30):
+        (old / "tokenizer_config.json").write_text(stale)
+        barrier = threading.Barrier(4)
+        workers = [threading.Thread(target=mend, args=(barrier,)) for _ in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert failures == []
+    assert sorted(p.name for p in old.iterdir() if "partial" in p.name) == []
+    assert json.loads((old / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    assert AutoTokenizer.from_pretrained(old).pad_token_id == 2
+
+
+def test_a_right_copy_whose_tokens_are_saved_as_added_token_entries_is_left_as_it_is(smollm, tmp_path):
+    import json
+
+    from astrai_hf.models import _repair_converted_copy
+
+    old = _stale_copy(tmp_path)
+    settings = json.loads((old / "tokenizer_config.json").read_text())
+    for kind, token in (("bos", "<|im_start|>"), ("eos", "<|im_end|>"), ("pad", "<|im_end|>")):
+        settings[f"{kind}_token"] = {"__type": "AddedToken", "content": token, "lstrip": False, "normalized": False,
+                                     "rstrip": False, "single_word": False, "special": True}
+    settings["padding_side"] = "left"
+    (old / "tokenizer_config.json").write_text(json.dumps(settings))
+    stamp = (old / "tokenizer_config.json").stat().st_mtime_ns
+    _repair_converted_copy(old)
+    assert (old / "tokenizer_config.json").stat().st_mtime_ns == stamp
+
+
 def test_a_gguf_file_loads_as_the_converted_folder_does(smollm, tmp_path):
     # a path to a .gguf file had gone to from_pretrained() as a folder, which fails on it
     from astrai_hf.models import embedded_gguf, load_model

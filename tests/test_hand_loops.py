@@ -2,6 +2,7 @@
 logits, the Cache API transformers' own code and users reach for, and masks only a hand-written loop makes."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -329,7 +330,8 @@ def test_rows_that_do_not_fit_leave_the_cache_as_it_was(grow):
 
 def test_a_forward_that_failed_midway_on_an_unpatched_model_is_named_on_the_next_and_crop_recovers():
     # the next forward had planned a new step over the half-stored one and given other logits than a clean run,
-    # without a word (stock's layers of different lengths fail there)
+    # without a word (stock's layers of different lengths fail there). A copy of the cache had not carried the
+    # unfinished step, and crop(0) (nothing dropped) had forgotten it: their next forward ran without a word too
     model = tiny_model("llama", seed=1)
     ids, mask = left_padded_batch([4, 9], seed=2)
     m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
@@ -352,9 +354,18 @@ def test_a_forward_that_failed_midway_on_an_unpatched_model_is_named_on_the_next
             hook.remove()
             with pytest.raises(ValueError, match=r"stopped after 1 of 2 layers .* call cache.crop\(-1\)"):
                 model(input_ids=tok, attention_mask=m2, **kw(cache))
+            for copier in (copy.deepcopy, copy.copy):
+                with pytest.raises(ValueError, match=r"cannot copy this PagedCache.*cache.crop\(-1\)"):
+                    copier(cache)
+            cache.crop(0)
+            with pytest.raises(ValueError, match=r"stopped after 1 of 2 layers .* call cache.crop\(-1\)"):
+                model(input_ids=tok, attention_mask=m2, **kw(cache))
             cache.crop(-1)
             assert cache.get_seq_length() == 9
+            with copy.deepcopy(cache) as twin:
+                got_twin = model(input_ids=tok, attention_mask=m2, **kw(twin)).logits
             got = model(input_ids=tok, attention_mask=m2, **kw(cache)).logits
+    torch.testing.assert_close(got_twin, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert pool.stats()["num_used_pages"] == 0
 
@@ -451,6 +462,31 @@ def test_rows_of_a_pre_filled_cache_selected_before_its_first_forward_continue_a
             logits = [model(input_ids=ids[idx, L:], attention_mask=mask[idx], position_ids=positions[idx, L:],
                             **{kwarg: c}).logits[:, -1] for c in (dynamic, cache)]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_selected_row_whose_served_columns_are_its_padding_runs_as_stock_without_positions(autocast):
+    # such a row holds no served K/V, so no positions contradict them: a forward without position_ids (the model
+    # counts the padding, as stock does for the same row) had been refused, and so had a first step under autocast
+    model = tiny_model("llama", seed=3)
+    ids, mask = left_padded_batch([3, 12], seed=7)  # row 0: 9 columns of padding
+    one, m1 = ids[:1], mask[:1]
+    kwarg = astrai_hf.cache_kwarg(model)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    with astrai_hf.patched(model, pool=pool):
+        model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=1, do_sample=False)  # row 1, cached
+    run = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    with torch.no_grad():
+        with run():
+            want = model(input_ids=one, attention_mask=m1).logits[:, -3:]
+        with PagedCache(pool, ids, mask, model=model) as cache:
+            cache.batch_select_indices(torch.tensor([0]))
+            n = cache.get_seq_length()
+            assert n == 9 and cache.prefilled_from_prefix_cache
+            with run():
+                got = model(input_ids=one[:, n:], attention_mask=m1, **{kwarg: cache}).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert pool.stats()["num_used_pages"] == 0
 
 

@@ -76,11 +76,11 @@ def test_token_types_are_not_served_from_the_prefix_cache():
     assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
 
 
-def _llava():
+def _llava(**text):
     cfg = T.LlavaConfig(
-        text_config=dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        text_config=dict(dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2), **text),
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                            image_size=28, patch_size=14),
         image_token_index=IMG)
@@ -93,6 +93,39 @@ def _llava():
 
 def _images():
     return [torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+
+
+@pytest.mark.parametrize("build", ["patch", "pool from the config"])
+def test_a_length_dependent_rope_in_a_multimodal_models_text_config_gets_no_prefix_reuse(build):
+    # the check read the top-level config only: LLaVA's language model with a dynamic RoPE reused prefixes rotated
+    # for another forward's length (scores 3-4e-4 off stock)
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    stock, model = _llava(max_position_embeddings=32, rope_parameters=rope), _llava(max_position_embeddings=32,
+                                                                                    rope_parameters=rope)
+    assert astrai_hf.config.rope_depends_on_length(model.config)
+    g = torch.Generator().manual_seed(0)
+    long, prompt = torch.randint(3, 90, (1, 100), generator=g), torch.randint(3, 90, (1, 60), generator=g)
+    longer = torch.cat([prompt, torch.randint(3, 90, (1, 70), generator=g)], 1)
+    if build == "patch":
+        astrai_hf.patch(model, max_tokens=4096, page_size=4, max_seq_len=512)
+        pool = astrai_hf.get_pool(model)
+    else:
+        pool = PagePool(model.config, max_tokens=4096, page_size=4, max_seq_len=512)
+        assert pool.rope_by_length
+    for ids in (long, prompt, longer):  # each longer than the RoPE's base length: each forward rescales it
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+        ref = stock.generate(ids, **kw)
+        if build == "patch":
+            got = model.generate(ids, **kw)
+        else:
+            with PagedCache(pool, ids, torch.ones_like(ids)) as cache:
+                assert cache.get_seq_length() == 0
+                got = model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache})
+        assert torch.equal(got.sequences, ref.sequences)
+        for a, b in zip(got.scores, ref.scores):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert pool.stats()["prefix_hit_tokens"] == 0 and pool.stats()["num_used_pages"] == 0
 
 
 def test_image_prompts_repeated_and_changed_equal_stock():

@@ -625,6 +625,36 @@ def test_a_callers_cache_in_a_call_with_custom_inputs_leaves_nothing_in_the_pref
     assert _used(pool) == 0
 
 
+@pytest.mark.parametrize("reuse", ["release", "reset"])
+def test_a_callers_cache_used_again_after_a_call_that_skipped_the_prefix_cache_fills_it_again(reuse):
+    # leaving the prefix cache for one call (here: every position's hidden states) had been for good: the same
+    # cache object in later plain calls filled nothing, so a repeat of the prompt got no hit
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 9], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        pool = astrai_hf.get_pool(patched)
+        kwarg = astrai_hf.cache_kwarg(patched)
+        cache = PagedCache(pool)
+        patched.generate(ids, output_hidden_states=True, return_dict_in_generate=True, **kw, **{kwarg: cache})
+        getattr(cache, reuse)()
+        assert pool.stats()["num_cached_pages"] == 0
+        assert torch.equal(patched.generate(ids, **kw, **{kwarg: cache}), ref)
+        getattr(cache, reuse)()
+        assert pool.stats()["num_cached_pages"] > 0
+        assert torch.equal(patched.generate(ids, **kw), ref)
+        assert pool.stats()["prefix_hit_tokens"] == 19
+        indexed = pool.stats()["prefix_cache_pages"]
+        with PagedCache(pool, prefix_cache=False) as chosen:  # a choice made at construction stays
+            for _ in range(2):
+                patched.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=9, do_sample=False,
+                                 **{kwarg: chosen})
+                chosen.release()
+        assert pool.stats()["prefix_cache_pages"] == indexed
+        assert _used(pool) == 0
+
+
 def test_gradients_of_the_inputs_of_a_frozen_model_equal_stock():
     model = tiny_model("llama")
     model.requires_grad_(False)  # prompt tuning, saliency: only the inputs require grad
