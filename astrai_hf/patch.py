@@ -1091,6 +1091,12 @@ def _wrap_generate(owner, generate, state: PatchState):
     def paged_generate(*args, **kwargs):
         if state.install_token is not token:  # unpatched, or patched again: kept only by a wrapper of another's
             return generate(*args, **kwargs)
+        if kwargs.get("cache_implementation") == "paged":
+            # transformers' continuous batching (generate() hands the call to generate_batch()): stock, as
+            # generate_batch() called directly is; its forwards run on a worker thread while this one waits, so
+            # this call must not hold the model's lock, which each forward takes
+            logger.debug("generate(cache_implementation='paged'): transformers' continuous batching, not paged here")
+            return generate(*args, **kwargs)
         given = _find_cache(kwargs)
         assistant = getattr(_underlying(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
             kwargs.get("assistant_model"), torch.nn.Module) else None
@@ -1152,6 +1158,12 @@ def _wrap_generate(owner, generate, state: PatchState):
         if own is not None:
             # an attention function of the caller's: paged attention cannot stand in for it
             logger.debug("attention implementation %r: stock generate(), not paged", own)
+            return generate(*args, **kwargs)
+        if _pad_token_inside(args, kwargs, config):
+            # no mask, and a pad token after a row's first token: generate() masks it, a hole no paged cache can
+            # hold (an assistant model's generate() gets no mask from transformers, and its prompt holds every
+            # token the target emitted, the pad token too)
+            logger.debug("a pad token inside the prompt and no attention_mask: stock generate(), not paged")
             return generate(*args, **kwargs)
         implementation = _cache_implementation(kwargs, passed, model.generation_config)
         if implementation is not None:  # asked for in this call: that cache, not ours
@@ -1654,7 +1666,10 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
     dropout = model.training and dropout_active(model)
-    return bool(candidates or custom_inputs or autocast or rope_by_length or dropout
+    # a decoding loop of the caller's (custom_generate) may feed the whole prompt to the cache it is handed, which
+    # on stock is always empty
+    custom_loop = kwargs.get("custom_generate") is not None
+    return bool(candidates or custom_inputs or autocast or rope_by_length or dropout or custom_loop
                 or _prefill_from_first_column(kwargs, config)
                 or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
 
@@ -1690,6 +1705,21 @@ def _candidate_decoding(kwargs: dict, config) -> bool:
 
 def _get(kwargs: dict, config, name: str):
     return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+
+def _pad_token_inside(args: tuple, kwargs: dict, config) -> bool:
+    """Whether a call without an attention mask has a pad token after some row's first token, which the mask
+    ``generate()`` then builds (:func:`_implied_mask`) masks: a hole inside the row."""
+    if kwargs.get("attention_mask") is not None:
+        return False
+    input_ids = _call_input_ids(args, kwargs)
+    if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
+        return False
+    try:
+        left_padding(_implied_mask(input_ids, kwargs, config))
+    except ValueError:
+        return True
+    return False
 
 
 def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor:

@@ -2,6 +2,7 @@
 K/V): generate() with no length, candidate generation after a prefix hit, two models on one pool, weights changed in
 place, several threads, outputs of every position, and masks generate() cannot serve left-padded."""
 
+import contextlib
 import re
 import threading
 
@@ -473,9 +474,37 @@ def test_masks_that_are_not_left_padded_get_clear_errors():
         with pytest.raises(ValueError, match=r"rows \[1\] have no tokens"):
             model.generate(torch.tensor([[5, 6, 7], [0, 0, 0]]), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]),
                            max_new_tokens=2)
-        with pytest.raises(ValueError, match="pad token inside a prompt"):
-            model.generate(torch.tensor([[5, 6, 0, 7, 8]]), max_new_tokens=2)  # pad id 0 inside, no mask
         assert _used(model) == 0
+
+
+def test_a_pad_token_inside_a_prompt_without_a_mask_runs_as_stock():
+    # generate() masks it (a hole no paged cache holds): the call had been refused, also the assistant's calls in
+    # assisted decoding, which transformers makes without a mask after the target emitted the pad token
+    model = tiny_model("llama")  # pad_token_id 0
+    ids = torch.tensor([[5, 6, 0, 7, 8], [9, 0, 0, 4, 3]])
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        for _ in range(2):
+            out = model.generate(ids, **kw)
+            assert torch.equal(out.sequences, ref.sequences)
+            for a, b in zip(out.scores, ref.scores):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert _used(model) == 0
+
+
+def test_an_assistant_after_the_target_emitted_the_pad_token_runs_as_stock():
+    target = tiny_model("llama")  # pad_token_id 0, no EOS: the target emits token 0 at its 6th new token
+    assistant = tiny_model("llama", seed=3)
+    ids = left_padded_batch([5, 9, 3])[0][1:2]
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    ref = target.generate(ids, assistant_model=assistant, **kw)
+    assert 0 in ref[0, ids.shape[1]:-1].tolist()
+    for patched in ("assistant", "both"):
+        with astrai_hf.patched(assistant, max_tokens=2048), (
+                astrai_hf.patched(target, max_tokens=2048) if patched == "both" else contextlib.nullcontext()):
+            assert torch.equal(target.generate(ids, assistant_model=assistant, **kw), ref)
+            assert _used(assistant) == 0
 
 
 @pytest.mark.parametrize("shape", ["fewer rows", "more rows", "narrower", "wider"])

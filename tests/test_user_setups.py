@@ -4,6 +4,7 @@ positionally. A patched model must behave as stock does there, and leave the poo
 
 import contextlib
 import copy
+import threading
 
 import pytest
 import torch
@@ -175,6 +176,51 @@ def test_a_cache_implementation_in_the_models_generation_config_does_not_turn_th
         out = model.generate(ids, attention_mask=mask, cache_implementation="static", return_dict_in_generate=True,
                              **GREEDY)
         assert type(out.past_key_values).__name__ == "StaticCache"
+
+
+def test_transformers_continuous_batching_asked_of_generate_runs_as_stock():
+    # generate(cache_implementation="paged") hands the call to generate_batch(), whose forwards run on a worker
+    # thread: they waited for the model's lock, held by the waiting generate(), for ever
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9, 3])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, cache_implementation="paged")
+    ref = model.generate(**kw)
+    with astrai_hf.patched(model, max_tokens=1024):
+        got = {}
+        worker = threading.Thread(target=lambda: got.setdefault("out", model.generate(**kw)), daemon=True)
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive(), "generate(cache_implementation='paged') hangs on a patched model"
+        assert torch.equal(got["out"], ref)
+        assert _used(astrai_hf.get_pool(model)) == 0
+
+
+def test_a_decoding_loop_of_the_callers_own_gets_an_empty_cache_as_from_stock():
+    # custom_generate=<function> feeding the whole prompt itself: a repeated prompt had handed it a cache pre-filled
+    # from the prefix cache (ValueError: the prompt fed again)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9, 3])
+
+    def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+               streamer=None, **model_kwargs):
+        name = astrai_hf.cache_kwarg(model)
+        cache, am = model_kwargs[name], model_kwargs["attention_mask"]
+        assert cache.get_seq_length() == 0
+        positions, fed = (am.cumsum(-1) - 1).clamp(min=0), input_ids
+        for _ in range(4):
+            logits = model(input_ids=fed, attention_mask=am, position_ids=positions[:, -fed.shape[1]:],
+                           use_cache=True, **{name: cache}).logits
+            fed = logits[:, -1].argmax(-1, keepdim=True)
+            input_ids, am = torch.cat([input_ids, fed], 1), torch.cat([am, torch.ones_like(fed)], 1)
+            positions = torch.cat([positions, positions[:, -1:] + 1], 1)
+        return input_ids
+
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate=decode)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4)  # the prompts, cached
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate=decode), ref)
+        assert _used(astrai_hf.get_pool(model)) == 0
 
 
 def test_a_generation_config_passed_positionally_is_honoured():
@@ -1025,16 +1071,16 @@ def test_early_exit_drafts_leave_the_cached_prefixes():
         assert _used(pool) == 0
 
 
-def test_a_mask_with_inner_zeros_and_a_cache_of_the_callers_is_refused_as_without_one():
+def test_a_mask_with_inner_zeros_and_a_cache_of_the_callers_is_refused():
     # a pad token inside an earlier turn that the caller's cache holds: generate() masks it, which no paged cache
-    # expresses; the call is refused as the same call without a cache of the caller's is
+    # expresses; the call is refused (without a cache of the caller's, it runs stock, unpaged)
     model = tiny_model("llama")
     turn1 = torch.tensor([[6, 56, 79, 30, 72, 48, 65, 29, 15, 35, 0, 29]])  # 0 is the pad id
     turn2 = torch.cat([turn1, torch.tensor([[76, 88]])], 1)
+    ref = model.generate(turn2, max_new_tokens=4, do_sample=False)
     with astrai_hf.patched(model, max_tokens=256) as patched:
         pool = astrai_hf.get_pool(patched)
-        with pytest.raises(ValueError, match=r"rows \[0\] are not left-padded"):
-            patched.generate(turn2, max_new_tokens=4, do_sample=False)
+        assert torch.equal(patched.generate(turn2, max_new_tokens=4, do_sample=False), ref)
         with PagedCache(pool) as cache:
             with torch.no_grad():
                 patched(turn1, **{astrai_hf.cache_kwarg(patched): cache})
