@@ -215,7 +215,7 @@ class PagedCache(Cache):
         self._num_storing_layers = len(pool.config.spec.stored_layers)  # layers that call update() per step
         self.logical_len = 0
         self._rows = _Rows(pool)
-        self._rows.insert_on_release = self._wants_prefix_cache = prefix_cache  # (release() restores the choice)
+        self._rows.insert_on_release = self._wants_prefix_cache = prefix_cache  # (see rejoin_prefix_cache())
         self._finalizer = weakref.finalize(self, self._rows.release)
         self._num_pad: list[int] | None = None
         self._prompt_pads: list[int] | None = None
@@ -268,8 +268,9 @@ class PagedCache(Cache):
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt.
-            if (ids_outside_vocabulary(target, input_ids) or rope_depends_on_length(getattr(target, "config", None))
-                    or pool.rope_by_length):
+            if rope_depends_on_length(getattr(target, "config", None)) or pool.rope_by_length:
+                prefix_cache = self._rows.insert_on_release = self._wants_prefix_cache = False
+            elif ids_outside_vocabulary(target, input_ids):
                 prefix_cache = self._rows.insert_on_release = False
         if prefix_cache and autocast_on(pool):  # (plan_step keeps a step under autocast out of the prefix cache)
             prefix_cache = False
@@ -288,6 +289,14 @@ class PagedCache(Cache):
         """True while this cache holds only what the prefix cache served (no step has run on it). Columns served
         stay served when the rows kept by a row selection hold none of their tokens (only padding there)."""
         return not self._first_step_planned and self.logical_len > 0
+
+    def rejoin_prefix_cache(self) -> None:
+        """Offer this cache's K/V to the prefix cache on release again, as built (``prefix_cache=``), when it holds
+        none: a cache that left it for one call (:meth:`leave_prefix_cache`) and has been emptied since. K/V stored
+        in a call that left it are never offered, however many calls continue on them. A patched ``generate()``
+        calls it for a cache of the caller's in a call that can read and fill the prefix cache."""
+        if not self._rows.req_rows:
+            self._rows.insert_on_release = self._wants_prefix_cache
 
     def leave_prefix_cache(self) -> None:
         """Neither build on the prefix cache nor fill it: a cache that was pre-filled from it and has run no step
@@ -1282,7 +1291,6 @@ class PagedCache(Cache):
     def release(self) -> None:
         """Return every page and request row to the pool. Safe to call more than once."""
         self._rows.release()
-        self._rows.insert_on_release = self._wants_prefix_cache  # a call that skipped the prefix cache is over
         self.logical_len = 0
         self._num_pad = None
         self._prompt_ids = None

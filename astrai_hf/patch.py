@@ -59,6 +59,7 @@ class PatchState:
     module_refs: list = field(default_factory=list)  # weak references to the attention modules
     forward: object = None  # the model's own forward, which the patched one wraps (holding the model weakly)
     generating: int = 0  # patched generate() calls under way (nested: peft's generate calls the base model's)
+    continuous_batching: int = 0  # generate(cache_implementation="paged") calls under way (they hold the lock)
     # one paged generate() / forward at a time per model: calls from several threads run one after another
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -868,6 +869,10 @@ def _wrap_forward(owner, forward, state: PatchState):
         if state.install_token is not token:  # unpatched, or patched again: kept only by a wrapper of another's
             return forward(*args, **kwargs)
         cache = _find_cache(kwargs)
+        if state.continuous_batching and not isinstance(cache, PagedCache):
+            # a forward of transformers' continuous batching on its worker thread, while the generate() that
+            # started it holds the lock and waits for it: no paged step can be under way
+            return forward(*args, **kwargs)
         with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
             return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
 
@@ -1093,10 +1098,16 @@ def _wrap_generate(owner, generate, state: PatchState):
             return generate(*args, **kwargs)
         if kwargs.get("cache_implementation") == "paged":
             # transformers' continuous batching (generate() hands the call to generate_batch()): stock, as
-            # generate_batch() called directly is; its forwards run on a worker thread while this one waits, so
-            # this call must not hold the model's lock, which each forward takes
+            # generate_batch() called directly is. It holds the locks as any call (it switches the model's attention
+            # implementation, which a paged step of another thread's call swaps too); its forwards run on a worker
+            # thread while this one waits, and pass (see _wrap_forward)
             logger.debug("generate(cache_implementation='paged'): transformers' continuous batching, not paged here")
-            return generate(*args, **kwargs)
+            with _one_call(state):
+                state.continuous_batching += 1
+                try:
+                    return generate(*args, **kwargs)
+                finally:
+                    state.continuous_batching -= 1
         given = _find_cache(kwargs)
         assistant = getattr(_underlying(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
             kwargs.get("assistant_model"), torch.nn.Module) else None
@@ -1119,6 +1130,13 @@ def _wrap_generate(owner, generate, state: PatchState):
             held = given.held_tokens
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
+            if _pad_token_inside(args, kwargs, config):
+                # stock continues its cache, whose K/V attended the pad token an earlier call emitted, and masks it
+                # only for the new columns (an assistant model's next round, a chat's next turn): neither a paged
+                # cache (a hole) nor a run from scratch gives that, a stock cache of the earlier tokens does
+                if held is None:
+                    left_padding(_implied_mask(_call_input_ids(args, kwargs), kwargs, config))  # raises, naming rows
+                return _continue_held_tokens_stock(model, state, held, generate, args, kwargs)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config)
             width = _columns_after_held(held, args, kwargs, config)
@@ -1137,6 +1155,8 @@ def _wrap_generate(owner, generate, state: PatchState):
             # empty instead
             given.leave_prefix_cache()
             given.verifies_candidates = _candidate_decoding(kwargs, config)
+        elif isinstance(given, PagedCache):
+            given.rejoin_prefix_cache()  # (emptied since a call that left it)
         if isinstance(given, PagedCache):
             _check_callers_cache(given, args, kwargs, config)
             if given.prefilled_from_prefix_cache:
@@ -1232,6 +1252,20 @@ def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: d
     finally:
         cache.release()
         cache.made_by_generate = cache.returned_by_generate = True
+
+
+def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: tuple, kwargs: dict):
+    """Stock ``generate()`` on a ``DynamicCache`` holding the K/V of the tokens the cache an earlier patched call
+    returned held, computed with that call's mask: what stock's own returned cache holds, for a call whose prompt
+    has a pad token inside and no mask (see :func:`_pad_token_inside`)."""
+    from transformers import DynamicCache
+
+    held_ids, held_mask = held
+    cache = DynamicCache(config=model.config)
+    positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
+    model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+          **{state.cache_kwarg: cache})
+    return generate(*args, **{**kwargs, state.cache_kwarg: cache})
 
 
 def _columns_after_held(held, args: tuple, kwargs: dict, config) -> int | None:
