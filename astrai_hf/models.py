@@ -53,14 +53,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.txt")
 
 
-def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32, device: str | None = None,
-               attn_implementation: str | None = None):
+def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+               device: str | None = None, attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer.
 
     Args:
         name: None for the embedded model; else a local folder or a ``.gguf`` file (read with the ``gguf``
-            package), as a ``str`` or a path object (``~`` is expanded), or a model id that transformers can load (a hub id needs the files in the local hub cache or
-            network access).
+            package), as a ``str`` or a path object (``~`` is expanded), or a model id that transformers can load
+            (a hub id needs the files in the local hub cache or network access).
         dtype: weights dtype.
         device: where to put the model (None: CPU).
         attn_implementation: the stock attention the model starts with; None (default): transformers' choice
@@ -77,6 +77,7 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
         ModuleNotFoundError: (``name=None``) the ``gguf`` package the first load converts the embedded model with
             is not installed.
         ValueError: ``name`` is a file other than a ``.gguf`` file (the suffix in any case).
+        TypeError: ``name`` is neither a ``str``, a path object nor None.
         OSError / ValueError: transformers cannot load ``name`` (its own errors, unchanged).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1263,8 +1263,9 @@ def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: 
     held_ids, held_mask = held
     cache = DynamicCache(config=model.config)
     positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
-    model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-          **{state.cache_kwarg: cache})
+    with torch.no_grad():  # (as generate() computes the K/V it keeps)
+        model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+              **{state.cache_kwarg: cache})
     return generate(*args, **{**kwargs, state.cache_kwarg: cache})
 
 
