@@ -1056,8 +1056,14 @@ class PagedCache(Cache):
         """Columns of the rectangle generate() has fed so far (padding included). A layer asking during a forward,
         before it stored that forward's K/V, gets the columns before the forward, as from ``DynamicCache``, whose
         layers fill one by one (Llama 4's NoPE layers scale their queries by positions counted so). A layer index
-        past the model's layers, or a cache holding no rows, gets 0, as from ``DynamicCache``."""
-        if layer_idx >= self.num_layers or not self._rows.req_rows:  # (every row dropped: 0, as DynamicCache)
+        past the model's layers, or a cache holding no rows, gets 0, as from ``DynamicCache``. The released cache a
+        patched ``generate()`` returned gets the columns stock's returned cache would hold (those it recorded, as
+        cut back by :meth:`crop` since; 0 where it recorded none): assisted decoding reads it to crop the cache."""
+        if layer_idx >= self.num_layers:
+            return 0
+        if self.returned_by_generate:
+            return 0 if self.held_tokens is None else self.held_tokens[0].shape[1]
+        if not self._rows.req_rows:  # (every row dropped: 0, as DynamicCache)
             return 0
         step = self._step
         if (step is not None and self._step_layers and layer_idx not in self._step_layers
@@ -1249,7 +1255,9 @@ class PagedCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Drop the last ``-max_length`` columns (a count <= 0). A positive value keeps that many columns where the
-        installed transformers' ``DynamicCache.crop`` still takes one (before 5.18, deprecated there).
+        installed transformers' ``DynamicCache.crop`` still takes one (before 5.18, deprecated there). On the
+        released cache a patched ``generate()`` returned, the columns dropped are those of the tokens it recorded
+        (:meth:`get_seq_length`), so that a later call passed it continues from fewer, as on stock's cache.
 
         Raises:
             ValueError: a positive value on transformers 5.18 or later, as ``DynamicCache.crop`` raises.
@@ -1259,6 +1267,13 @@ class PagedCache(Cache):
             raise ValueError(f"crop({max_length}): a positive value (the length to keep) is not supported by "
                              "transformers 5.18 and later; pass minus the number of columns to drop, as "
                              "DynamicCache.crop takes it")
+        if self.returned_by_generate:
+            if self.held_tokens is not None:
+                held_ids, held_mask = self.held_tokens
+                L = held_ids.shape[1]
+                keep = max(L + max_length, 0) if max_length <= 0 else min(max_length, L)
+                self.held_tokens = (held_ids[:, :keep], held_mask[:, :keep])
+            return
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)
         if keep >= self.logical_len:  # nothing dropped: an unfinished step stays so (its columns are still there)
             return

@@ -910,6 +910,11 @@ def _wrap_forward(owner, forward, state: PatchState):
             # runs over K/V gathered from the pool, and its K/V are no prefix for a later prompt
             cache._rows.reusable = False
             return forward(*args, **kwargs)
+        if checkpointing_drops_cache(model):
+            # gradient checkpointing in training mode: transformers hands the layers no cache, so the model runs as
+            # stock does then, on the inputs alone, and stores nothing (paged attention would read unwritten slots)
+            cache._rows.reusable = False
+            return forward(*args, **kwargs)
         if _records_grad(model, args, kwargs):
             # a forward that autograd records (training, a loss, gradients of the inputs): the model's own attention
             # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
@@ -1012,6 +1017,43 @@ def dropout_active(model: torch.nn.Module) -> bool:
             if "dropout" in name and type(value) in (float, int) and value > 0:
                 return True
     return False
+
+
+def checkpointing_drops_cache(model: torch.nn.Module) -> bool:
+    """Whether a layer of ``model`` runs gradient checkpointing in a forward now (training mode after
+    ``gradient_checkpointing_enable()``): transformers hands such a layer no cache (releases before 5.24 also
+    without grad mode), so it neither stores its K/V nor reads any, and the model runs as without a cache."""
+    if not model.training:
+        return False
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is not True or not m.training:
+            continue
+        if getattr(m, "_can_checkpoint_with_cache", False) is True:
+            continue
+        if _checkpointing_needs_grad() and _is_checkpointing_layer(m) and not torch.is_grad_enabled():
+            continue
+        return True
+    return False
+
+
+def _is_checkpointing_layer(module: torch.nn.Module) -> bool:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return False
+    return isinstance(module, GradientCheckpointingLayer)
+
+
+@functools.cache
+def _checkpointing_needs_grad() -> bool:
+    """Whether transformers' ``GradientCheckpointingLayer`` checkpoints (and drops the cache) only in grad mode
+    (5.24 does; 5.17 does in training mode alone). Read from its source; False when it cannot be read."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        return "is_grad_enabled" in inspect.getsource(GradientCheckpointingLayer.__call__)
+    except (ImportError, OSError, TypeError):
+        return False
 
 
 def _records_grad(model, args: tuple, kwargs: dict) -> bool:
@@ -1261,6 +1303,8 @@ def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: 
     from transformers import DynamicCache
 
     held_ids, held_mask = held
+    if held_ids.shape[1] == 0:  # cropped to nothing: stock's cache is empty, the call computes every column
+        return generate(*args, **kwargs)
     cache = DynamicCache(config=model.config)
     positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():  # (as generate() computes the K/V it keeps)
@@ -1273,7 +1317,8 @@ def _columns_after_held(held, args: tuple, kwargs: dict, config) -> int | None:
     """For a call given the cache an earlier patched call returned and asking for hidden states or attentions of
     every position: the number of prompt columns after the ``L`` that cache held (stock's cache holds their K/V, so
     its first forward, and the per-position outputs of it, cover only the columns after them), else None."""
-    if held is None or not (_get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
+    if held is None or held[0].shape[1] == 0 or not (
+            _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
         return None
     embeds = kwargs.get("inputs_embeds")
     if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
@@ -1323,12 +1368,12 @@ def _note_held_tokens(cache: PagedCache, out, args: tuple, kwargs: dict, config,
     """Record on the cache a patched generate() made the tokens and mask a stock cache would hold after the call,
     ``(sequences[:, :L], mask [B, L])`` with ``L = cache.logical_len``, for :func:`_continues_other_tokens`;
     ``computed_from`` [B, L0]: the tokens its first ``L0`` columns were computed from, when not the prompt's.
-    Left unset for calls whose cache rows are not the returned sequences (beams, candidate decoding); several
-    samples per prompt are rows of their own, as in stock's cache."""
+    Left unset for calls whose cache rows are not the returned sequences (beams); several samples per prompt are
+    rows of their own, as in stock's cache. After candidate decoding the cache holds the accepted tokens but the
+    last, as stock's does."""
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
     prompt = _prompt_and_mask(args, kwargs, config)
-    if (sequences is None or prompt is None or _candidate_decoding(kwargs, config)
-            or (_get(kwargs, config, "num_beams") or 1) != 1):
+    if sequences is None or prompt is None or (_get(kwargs, config, "num_beams") or 1) != 1:
         return
     n = _get(kwargs, config, "num_return_sequences") or 1
     mask = prompt[1].repeat_interleave(n, dim=0)  # one row per returned sequence
@@ -1700,7 +1745,7 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     autocast = autocast_on(pool)
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
-    dropout = model.training and dropout_active(model)
+    dropout = model.training and (dropout_active(model) or checkpointing_drops_cache(model))
     # a decoding loop of the caller's (custom_generate) may feed the whole prompt to the cache it is handed, which
     # on stock is always empty
     custom_loop = kwargs.get("custom_generate") is not None

@@ -544,11 +544,28 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
         return (f"its config.layer_types name layers of a kind paged attention does not serve "
                 f"({', '.join(other)}): their cache holds more than each token's K/V (an indexer's keys, "
                 "compressed blocks)")
+    if found and not other and isinstance(layers, int) and found != list(range(layers)) and _layers_changed(
+            model, len(found)):
+        return (f"config.num_hidden_layers is {layers} but its {len(found)} layers have self-attention of "
+                f"layer_idx {found} (layers removed or reordered without updating the config?); set "
+                f"config.num_hidden_layers = {len(found)} and each attention module's layer_idx to its place "
+                f"(0 to {len(found) - 1})")
     if found and (other or (isinstance(layers, int) and found != list(range(layers)))):
         kinds = f" ({', '.join(other)} in config.layer_types)" if other else ""
         return (f"a hybrid model: self-attention in layers {found} of {layers}; the other layers{kinds} keep a "
                 "state that is not a K/V cache")
     return _state_layers(text) or _kv_geometry(text)
+
+
+def _layers_changed(model: torch.nn.Module, num_attention: int) -> bool:
+    """Whether ``model`` holds a list of exactly ``num_attention`` layers that each have self-attention (a model
+    pruned or reordered by hand, not a hybrid, whose other layers would be in the list too)."""
+    attention = {id(m) for m in attention_modules(model, every_copy=True)}
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_attention and all(
+                any(id(m) in attention for m in layer.modules()) for layer in module):
+            return True
+    return False
 
 
 def unsupported_config(config) -> str | None:

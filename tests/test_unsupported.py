@@ -654,3 +654,28 @@ def test_a_refusal_names_the_layer_kinds_the_config_gives():
     with pytest.raises(NotImplementedError, match=r"hybrid model: self-attention in layers \[1\] of 2; the other "
                                                   r"layers \(linear_attention in config.layer_types\) keep a state"):
         astrai_hf.patch(_build("jamba"), max_tokens=512)
+
+
+@pytest.mark.parametrize("keep", [[0], [2], [2, 0]], ids=["first", "last", "reordered"])
+def test_layers_removed_without_updating_the_config_are_refused_saying_so(keep):
+    # a pruning recipe: the message had called the model a hybrid whose other layers keep no K/V
+    from tiny_models import left_padded_batch, tiny_model
+
+    def pruned(fix):
+        m = tiny_model("llama", num_hidden_layers=3)
+        m.model.layers = torch.nn.ModuleList([m.model.layers[i] for i in keep])
+        if fix:
+            m.config.num_hidden_layers = len(keep)
+            for i, layer in enumerate(m.model.layers):
+                layer.self_attn.layer_idx = i
+        return m
+
+    with pytest.raises(NotImplementedError, match=rf"config.num_hidden_layers is 3 but its {len(keep)} layers have "
+                                                  rf"self-attention of layer_idx \[{', '.join(map(str, sorted(keep)))}\]"):
+        astrai_hf.patch(pruned(fix=False), max_tokens=256)
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    model = pruned(fix=True)  # as the message says
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=256, page_size=4) as patched:
+        assert torch.equal(patched.generate(ids, **kw), ref)
