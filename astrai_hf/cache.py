@@ -1163,7 +1163,7 @@ class PagedCache(Cache):
         """Repeat each row ``repeats`` times in place (``num_return_sequences`` / beams on a pre-filled cache)."""
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-        n = len(self._rows.req_rows) or len(self._num_pad or ())
+        n = self._num_rows()
         self._select_rows([i for i in range(n) for _ in range(repeats)])
 
     def batch_select_indices(self, indices) -> None:
@@ -1184,7 +1184,7 @@ class PagedCache(Cache):
         if t.dim() > 1:
             t = t.reshape(-1)
         if t.dtype == torch.bool:
-            n = len(self._rows.req_rows) or len(self._num_pad or ())
+            n = self._num_rows()
             if not allow_bool:
                 raise ValueError(f"{name} must hold row indices, got a boolean tensor {t.tolist()}")
             if t.numel() != n:
@@ -1194,7 +1194,23 @@ class PagedCache(Cache):
             raise ValueError(f"{name} must hold integer row indices, got dtype {t.dtype}")
         return t.reshape(-1).tolist()
 
+    def _num_rows(self) -> int:
+        if self.returned_by_generate:
+            return 0 if self.held_tokens is None else self.held_tokens[0].shape[0]
+        return len(self._rows.req_rows) or len(self._num_pad or ())
+
     def _select_rows(self, idx: list[int]) -> None:
+        if self.returned_by_generate:
+            # the released cache a patched generate() returned: the rows of the tokens it recorded move, so that a
+            # later call passed it continues the rows stock's cache would hold
+            if self.held_tokens is not None:
+                n = self._num_rows()
+                bad = [i for i in idx if not -n <= i < n]
+                if bad:
+                    raise ValueError(f"row indices {bad} are out of range for a cache of {n} rows")
+                rows = torch.tensor(idx, dtype=torch.long)
+                self.held_tokens = tuple(t[rows.to(t.device)] for t in self.held_tokens)
+            return
         stopped = self._unfinished_step()
         if stopped is not None:  # (the rows would move with columns some layers lack; stock's next forward fails)
             raise ValueError(f"cannot reorder or select the rows of this PagedCache: the previous forward {stopped}")

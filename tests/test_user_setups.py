@@ -1256,3 +1256,34 @@ def test_gradient_checkpointing_in_training_mode_runs_as_stock(how):
                 got = run(cache)
             assert torch.equal(got, ref) if how == "generate" else torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
         assert _used(pool) == 0
+
+
+@pytest.mark.parametrize("op", ["batch_select_indices", "reorder_cache", "batch_repeat_interleave"])
+@pytest.mark.parametrize("edit", [False, True], ids=["same-tokens", "a-generated-token-edited"])
+def test_rows_of_the_returned_cache_selected_or_reordered_then_passed_back_give_stocks_tokens(op, edit):
+    # keep the best of several samples, or reorder them: stock's returned cache moves its rows. The released
+    # cache had kept the recorded rows in place, so a continuation read another row's tokens (scores 1.5 off)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    name = astrai_hf.cache_kwarg(model)
+    rows = {"batch_select_indices": [1], "reorder_cache": [2, 0, 1], "batch_repeat_interleave": [0, 0, 1, 1, 2, 2]}[op]
+
+    def continue_rows(m):
+        torch.manual_seed(0)
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=True,
+                         num_return_sequences=3, return_dict_in_generate=True)
+        returned = getattr(out, name)
+        getattr(returned, op)(2 if op == "batch_repeat_interleave" else torch.tensor(rows))
+        seq = torch.cat([out.sequences[rows], torch.full((len(rows), 3), 7)], 1)
+        if edit:
+            seq[:, 11] = (seq[:, 11] + 1) % 96
+        return m.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=4, do_sample=False,
+                          return_dict_in_generate=True, output_scores=True, **{name: returned})
+
+    ref = continue_rows(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        got = continue_rows(patched)
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
