@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -9,7 +10,7 @@ import numbers
 import threading
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -119,24 +120,22 @@ class PagePool:
         self.allocator = PageAllocator(self.config.num_pages, first_page=TRASH_PAGE + 1)
         # Plain tensors even when the pool is made under torch.inference_mode(): inference tensors could not be
         # written by a later generate() outside that mode.
+        devices = ", ".join(sorted({str(d) for d in layer_devices}))
         with torch.inference_mode(False):
-            try:
-                self.storage = KVStorage(self.config)
-            except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-                if isinstance(e, NotImplementedError) or not ("alloc" in str(e) or "out of memory" in str(e)
-                                                             or isinstance(e, MemoryError)):
-                    raise  # not a shortage of memory (a device backend this build lacks)
-                need = self.config.num_pages * spec.bytes_per_token(dtype) * page_size
-                raise type(e)(
+            need = self.config.num_pages * spec.bytes_per_token(dtype) * page_size
+            with _short_of_memory(
                     f"cannot allocate the pool's K/V: {self.config.num_pages - 1} pages of {page_size} tokens "
-                    f"(max_tokens={capacity}) take {need / 2**30:.1f} GiB in {dtype} on "
-                    f"{', '.join(sorted({str(d) for d in layer_devices}))}; pass a smaller max_tokens, or "
-                    f"memory_fraction ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                ) from e
+                    f"(max_tokens={capacity}) take {need / 2**30:.1f} GiB in {dtype} on {devices}; pass a smaller "
+                    "max_tokens, or memory_fraction"):
+                self.storage = KVStorage(self.config)
             # a row never holds more tokens than the pool has slots (its slots are distinct): a larger max_seq_len
             # still bounds prompts (ValueError), a row past the capacity fails with CacheFullError, and the
             # req_to_token table has no columns no row could fill
-            self.req_to_token = ReqToTokenPool(max_reqs, min(max_seq_len, capacity), layer_devices[0])
+            width = min(max_seq_len, capacity)
+            with _short_of_memory(
+                    f"cannot allocate the pool's req_to_token table: max_reqs={max_reqs} rows of {width} slots take "
+                    f"{(max_reqs + 1) * width * 8 / 2**30:.1f} GiB (two int32 tables) on {layer_devices[0]}; pass a smaller max_reqs"):
+                self.req_to_token = ReqToTokenPool(max_reqs, width, layer_devices[0])
         self.prefix_cache = PrefixCache(self.allocator, page_size) if as_flag("prefix_cache", prefix_cache) else None
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         # calls of the models patched onto this pool, and patch() onto it, take turns (see patch._one_call)
@@ -511,6 +510,18 @@ def attention_modules(model: torch.nn.Module, every_copy: bool = False) -> list[
 
 
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # of config.layer_types
+
+
+@contextlib.contextmanager
+def _short_of_memory(message: str) -> Iterator[None]:
+    """Re-raise an allocation that ran out of memory with ``message`` (and the allocator's first line)."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if isinstance(e, NotImplementedError) or not ("alloc" in str(e) or "out of memory" in str(e)
+                                                     or isinstance(e, MemoryError)):
+            raise  # not a shortage of memory (a device backend this build lacks)
+        raise type(e)(f"{message} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
 
 
 def unsupported_model(model: torch.nn.Module) -> str | None:

@@ -79,6 +79,20 @@ def test_a_pool_too_large_to_allocate_names_its_size(llama, monkeypatch):
         PagePool.from_model(llama, max_tokens=64, page_size=16)
 
 
+def test_a_req_to_token_table_too_large_to_allocate_names_max_reqs(llama, monkeypatch):
+    # (it had raised the allocator's own message, naming neither the table nor max_reqs)
+    import astrai_hf.pool as pool_module
+
+    def refuse(max_reqs, max_seq_len, device):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 256000000000256 bytes")
+
+    monkeypatch.setattr(pool_module, "ReqToTokenPool", refuse)
+    with pytest.raises(RuntimeError, match=r"cannot allocate the pool's req_to_token table: max_reqs=1000000000000 "
+                                           r"rows of 64 slots take 476837\.2 GiB \(two int32 tables\) on cpu; pass a "
+                                           r"smaller max_reqs.*can't allocate memory"):
+        PagePool.from_model(llama, max_tokens=64, page_size=16, max_reqs=10**12)
+
+
 def test_a_pool_from_a_config_without_a_dtype_logs_nothing():
     # reading config.torch_dtype made transformers log "`torch_dtype` is deprecated!" (once per process: hence a
     # fresh one); astrai-hf prints nothing

@@ -110,6 +110,11 @@ _BAD_INPUTS = {  # edits of (query, req_rows, seq_lens, window, req_to_token)
     "a column-major req_to_token": (lambda q, rows, lens, w, t: (q, rows, lens, w, t.t().contiguous().t()),
                                     "req_to_token"),
     "a 3-D req_to_token": (lambda q, rows, lens, w, t: (q, rows, lens, w, t[None]), "req_to_token must be 2-D"),
+    # (rows and lengths short of the batch had been read past their end: a segmentation fault)
+    "req_rows short of the batch": (lambda q, rows, lens, w, t: (q, rows[:1].clone(), lens, w, t),
+                                    r"req_rows must be 1-D with 2 entries"),
+    "seq_lens short of the batch": (lambda q, rows, lens, w, t: (q, rows, lens[:1].clone(), w, t),
+                                    r"seq_lens must be 1-D with 2 entries"),
 }
 
 
@@ -130,6 +135,36 @@ def test_kernels_refuse_inputs_their_pointers_would_misread(case, kernel):
         else:
             tk.extend_attention(query, k_cache, v_cache, table, rows, lens,
                                 torch.tensor([0, 2, 4], dtype=torch.int32), 2, scaling=0.5, sliding_window=window)
+
+
+@pytest.mark.parametrize("case", ["softcap 0", "num_splits 0", "workspace of fewer splits", "out of another shape",
+                                  "max_q_len below the mean"])
+def test_kernels_refuse_settings_and_buffers_they_would_misuse(case):
+    # each had run: a softcap of 0 as 1.0 (the reference divides by it), no splits to NaN, a workspace of 2 splits
+    # written as 8 (heap corruption), queries past max_q_len left at 0
+    k_cache, v_cache, _, _, meta, _ = _build([9, 2], [1, 1], 1, 2, 8, PAGE, torch.float32, 5)
+    lens = torch.tensor([10, 3], dtype=torch.int32)
+    decode = dict(scaling=0.5)
+    message = {"softcap 0": "softcap must be a positive", "num_splits 0": "num_splits must be a positive int",
+               "workspace of fewer splits": r"workspace\[0\] \(mid_o\) must be .* shape \(2, 4, 8, 8\)",
+               "out of another shape": r"out must be .* shape \(2, 4, 8\)",
+               "max_q_len below the mean": "max_q_len must be an int from the 6 queries' mean over 2 rows"}[case]
+    with pytest.raises(ValueError, match=message):
+        if case == "max_q_len below the mean":
+            tk.extend_attention(torch.randn(6, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens,
+                                torch.tensor([0, 5, 6], dtype=torch.int32), 2, scaling=0.5)
+        elif case == "softcap 0":
+            tk.decode_attention(torch.randn(2, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens, softcap=0.0,
+                                **decode)
+        elif case == "num_splits 0":
+            tk.decode_attention(torch.randn(2, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens, num_splits=0,
+                                **decode)
+        elif case == "workspace of fewer splits":
+            tk.decode_attention(torch.randn(2, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens, num_splits=8,
+                                workspace=(torch.empty(2, 4, 2, 8), torch.empty(2, 4, 2)), **decode)
+        else:
+            tk.decode_attention(torch.randn(2, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens,
+                                out=torch.empty(2, 8, 4), **decode)
 
 
 def test_decode_grid_does_not_depend_on_lengths():

@@ -37,15 +37,26 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     return k_cache.stride(0), k_cache.stride(1)
 
 
-def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None,
-                            req_to_token: torch.Tensor, **index: torch.Tensor) -> None:
-    """The kernels index raw pointers: refuse inputs their offsets would misread.
+def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            sliding_window: int | None, softcap: float | None, req_to_token: torch.Tensor,
+                            batch: int, **index: torch.Tensor) -> None:
+    """The kernels index raw pointers: refuse inputs their offsets would misread. Only shapes and host values are
+    checked; the values inside the device tensors (rows within ``req_to_token``, lengths within its width) are not,
+    as reading them would synchronise with the device.
 
     Raises:
-        ValueError: ``query`` is not contiguous, its heads are not a multiple of ``k_cache``'s, the window is not
-            positive, ``req_to_token``'s columns are not adjacent (its rows may be strided), or an index tensor
-            (``index``, by name) is not contiguous.
+        ValueError: ``query`` is not contiguous, its heads are not a multiple of ``k_cache``'s, its head size or
+            ``v_cache``'s shape is not ``k_cache``'s, the window is not positive, the softcap is not positive,
+            ``req_to_token``'s columns are not adjacent (its rows may be strided), or an index tensor (``index``,
+            by name) is not contiguous or not 1-D of ``batch`` entries (``qo_indptr``: ``batch + 1``).
     """
+    if query.dim() != 3 or k_cache.dim() != 3 or query.shape[2] != k_cache.shape[2]:
+        raise ValueError(f"query [tokens, H, D] and k_cache [num_slots, H_kv, D] must share D, got shapes "
+                         f"{tuple(query.shape)} and {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache of shape {tuple(v_cache.shape)} must have k_cache's {tuple(k_cache.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     if req_to_token.dim() != 2:
         raise ValueError(f"req_to_token must be 2-D [rows, max_seq_len], got shape {tuple(req_to_token.shape)}")
     if req_to_token.shape[1] > 1 and req_to_token.stride(1) != 1:
@@ -59,8 +70,17 @@ def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, sliding_
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
     for name, t in index.items():
+        entries = batch + 1 if name == "qo_indptr" else batch
+        if tuple(t.shape) != (entries,):
+            raise ValueError(f"{name} must be 1-D with {entries} entries (batch {batch}), got shape {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, got {t.dtype} "
+                         f"{tuple(t.shape)} with strides {t.stride()}")
 
 
 @triton.jit
@@ -199,19 +219,28 @@ def decode_attention(
         [B, H, D] float32.
 
     Raises:
-        ValueError: a non-contiguous ``query``, ``req_rows`` or ``seq_lens``; H not a multiple of H_kv; a window
-            below 1.
+        ValueError: a non-contiguous ``query``, ``req_rows`` or ``seq_lens``; ``req_rows`` or ``seq_lens`` not of
+            B entries; H not a multiple of H_kv; a window or softcap not positive; ``num_splits`` not a positive
+            int; ``out`` or ``workspace`` not contiguous float32 of the shapes above. The values of ``req_rows`` and
+            ``seq_lens`` are not checked (that would synchronise with the device).
     """
-    _check_attention_inputs(query, k_cache, sliding_window, req_to_token, req_rows=req_rows, seq_lens=seq_lens)
+    B = query.shape[0] if query.dim() == 3 else -1
+    _check_attention_inputs(query, k_cache, v_cache, sliding_window, softcap, req_to_token, B,
+                            req_rows=req_rows, seq_lens=seq_lens)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     B, H, D = query.shape
     H_kv = k_cache.shape[1]
     group = H // H_kv
     if out is None:
         out = torch.empty(B, H, D, dtype=torch.float32, device=query.device)
+    _check_buffer("out", out, (B, H, D))
     if workspace is None:
         workspace = (torch.empty(B, H, num_splits, D, dtype=torch.float32, device=query.device),
                      torch.empty(B, H, num_splits, dtype=torch.float32, device=query.device))
     mid_o, mid_lse = workspace
+    _check_buffer("workspace[0] (mid_o)", mid_o, (B, H, num_splits, D))
+    _check_buffer("workspace[1] (mid_lse)", mid_lse, (B, H, num_splits))
     _decode_split_kernel[(B, H_kv, num_splits)](
         query, k_cache, v_cache, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
         float(scaling), float(softcap or 1.0), int(sliding_window or 0),
@@ -308,19 +337,25 @@ def extend_attention(
         k_cache, v_cache, req_to_token, req_rows, seq_lens, scaling, sliding_window, softcap: as for
             :func:`decode_attention`.
         qo_indptr: [B + 1] int32 on the device.
-        max_q_len: the longest row's query count (sizes the grid; prefill is not graph-captured).
+        max_q_len: the longest row's query count, at least it (sizes the grid; prefill is not graph-captured).
 
     Returns:
         [N, H, D] float32.
 
     Raises:
-        ValueError: as :func:`decode_attention`, and for a non-contiguous ``qo_indptr``.
+        ValueError: as :func:`decode_attention`, for a ``qo_indptr`` not contiguous or not of B + 1 entries, and
+            for a ``max_q_len`` that is not an int from N / B to N (with queries). Whether it covers every row's
+            query count is not checked (that would synchronise with the device).
     """
-    _check_attention_inputs(query, k_cache, sliding_window, req_to_token, req_rows=req_rows, seq_lens=seq_lens,
-                            qo_indptr=qo_indptr)
+    B = qo_indptr.shape[0] - 1 if qo_indptr.dim() == 1 else -1
+    _check_attention_inputs(query, k_cache, v_cache, sliding_window, softcap, req_to_token, B,
+                            req_rows=req_rows, seq_lens=seq_lens, qo_indptr=qo_indptr)
     N, H, D = query.shape
     H_kv = k_cache.shape[1]
-    B = req_rows.shape[0]
+    if N and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or not 1 <= max_q_len <= N
+              or max_q_len * B < N):
+        raise ValueError(f"max_q_len must be an int from the {N} queries' mean over {B} rows to {N}, got "
+                         f"{max_q_len!r}")
     out = torch.zeros(N, H, D, dtype=torch.float32, device=query.device)
     if N == 0:
         return out
