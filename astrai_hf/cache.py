@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 
@@ -193,6 +194,10 @@ class PagedCache(Cache):
     _prompt_width = None  # columns of the prompt the cache was built with (input_ids.shape[1])
     # (sequences [B, L], mask [B, L]): the tokens a stock cache would hold after that generate(), see patch.py
     held_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the DynamicCache a call given this returned cache continued on (a mask with a hole): later calls given this
+    # cache continue it (patch.py), and the methods below act on it, as on stock's cache
+    stock_cache = None
+    returned_len = 0  # the columns the cache held when that generate() returned (for one that recorded no tokens)
     is_croppable = True
 
     def __init__(
@@ -1062,7 +1067,9 @@ class PagedCache(Cache):
         if layer_idx >= self.num_layers:
             return 0
         if self.returned_by_generate:
-            return 0 if self.held_tokens is None else self.held_tokens[0].shape[1]
+            if self.stock_cache is not None:
+                return self.stock_cache.get_seq_length(layer_idx)
+            return self.returned_len if self.held_tokens is None else self.held_tokens[0].shape[1]
         if not self._rows.req_rows:  # (every row dropped: 0, as DynamicCache)
             return 0
         step = self._step
@@ -1157,12 +1164,20 @@ class PagedCache(Cache):
         Raises:
             ValueError: an index is out of range, or ``beam_idx`` is not a 1-D sequence of integers.
         """
+        if self.stock_cache is not None:
+            self.stock_cache.reorder_cache(beam_idx)
+            return
+        if self.returned_by_generate and self.held_tokens is None:  # (no rows recorded: nothing to move)
+            return
         self._select_rows(self._row_indices(beam_idx, "beam_idx", allow_bool=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times in place (``num_return_sequences`` / beams on a pre-filled cache)."""
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        if self.stock_cache is not None:
+            self.stock_cache.batch_repeat_interleave(repeats)
+            return
         n = self._num_rows()
         self._select_rows([i for i in range(n) for _ in range(repeats)])
 
@@ -1174,6 +1189,11 @@ class PagedCache(Cache):
             ValueError: an index is out of range, a boolean mask's length is not the number of rows, or
                 ``indices`` is neither integers nor booleans.
         """
+        if self.stock_cache is not None:
+            self.stock_cache.batch_select_indices(indices)
+            return
+        if self.returned_by_generate and self.held_tokens is None:  # (no rows recorded: nothing to move)
+            return
         self._select_rows(self._row_indices(indices, "indices", allow_bool=True))
 
     def _row_indices(self, indices, name: str, *, allow_bool: bool) -> list[int]:
@@ -1284,11 +1304,15 @@ class PagedCache(Cache):
                              "transformers 5.18 and later; pass minus the number of columns to drop, as "
                              "DynamicCache.crop takes it")
         if self.returned_by_generate:
+            if self.stock_cache is not None:
+                self.stock_cache.crop(max_length)
             if self.held_tokens is not None:
                 held_ids, held_mask = self.held_tokens
                 L = held_ids.shape[1]
                 keep = max(L + max_length, 0) if max_length <= 0 else min(max_length, L)
                 self.held_tokens = (held_ids[:, :keep], held_mask[:, :keep])
+            L = self.returned_len
+            self.returned_len = max(L + max_length, 0) if max_length <= 0 else min(max_length, L)
             return
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)
         if keep >= self.logical_len:  # nothing dropped: an unfinished step stays so (its columns are still there)
@@ -1351,6 +1375,8 @@ class PagedCache(Cache):
         if self.returned_by_generate:  # the released cache a patched generate() returned: so is its copy
             twin.made_by_generate = twin.returned_by_generate = True
             twin.held_tokens = self.held_tokens
+            twin.stock_cache = copy.deepcopy(self.stock_cache, memo)
+            twin.returned_len = self.returned_len
         for name in ("stock_attention", "verifies_candidates"):
             if name in self.__dict__:
                 setattr(twin, name, self.__dict__[name])

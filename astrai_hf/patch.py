@@ -1169,26 +1169,32 @@ def _wrap_generate(owner, generate, state: PatchState):
             # the released cache an earlier patched call returned (transformers' multi-turn recipe passes
             # out.past_key_values back): empty, so this call runs as with no cache, and the prefix cache serves
             # what the earlier call computed
-            held = given.held_tokens
+            held, returned = given.held_tokens, given
             kwargs = {k: v for k, v in kwargs.items() if v is not given}
             given = None
-            if _pad_token_inside(args, kwargs, config):
+            if returned.stock_cache is not None:  # continued stock once (below): stock's cache, continued again
+                out = generate(*args, **{**kwargs, state.cache_kwarg: returned.stock_cache})
+                return _continued_in(returned, None, out, state.cache_kwarg)
+            if _holes_in_mask(args, kwargs, config):
                 # stock continues its cache, whose K/V attended the pad token an earlier call emitted, and masks it
                 # only for the new columns (an assistant model's next round, a chat's next turn): neither a paged
                 # cache (a hole) nor a run from scratch gives that, a stock cache of the earlier tokens does
-                if held is None:
-                    left_padding(_implied_mask(_call_input_ids(args, kwargs), kwargs, config))  # raises, naming rows
-                return _continue_held_tokens_stock(model, state, held, generate, args, kwargs)
+                if held is None:  # (what stock's cache holds is not known: refused, naming the rows)
+                    mask = kwargs.get("attention_mask")
+                    left_padding(mask if mask is not None else _implied_mask(_call_input_ids(args, kwargs), kwargs,
+                                                                             config))
+                return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
-                return _continue_held_tokens(model, state, held, args, kwargs, config)
+                return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
             width = _columns_after_held(held, args, kwargs, config)
-            if width is not None:  # stock computes only the columns after its cache's: so many per-position outputs
-                return _first_step_outputs_cut(_generate_with(model, given, args, kwargs, config, passed), width)
+            out = _generate_with(model, given, args, kwargs, config, passed, returned)
+            # (stock computes only the columns after its cache's: so many per-position outputs)
+            return out if width is None else _first_step_outputs_cut(out, width)
         return _generate_with(model, given, args, kwargs, config, passed)
 
     # (not a part of _paged_generate calling it again: a closure calling itself is a reference cycle, which would
     # keep this state, and the pool's K/V memory, alive until the garbage collector runs)
-    def _generate_with(model, given, args, kwargs, config, passed):
+    def _generate_with(model, given, args, kwargs, config, passed, returned=None):
         if isinstance(given, PagedCache) and (_own_attention(state) is not None or _skips_prefix_cache(
                 given.pool, model, kwargs, config, state.rope_by_length, state.embeds_token_types)):
             # a call that cannot build on cached prefixes (candidate decoding crops and re-verifies from the prompt
@@ -1221,11 +1227,12 @@ def _wrap_generate(owner, generate, state: PatchState):
             # an attention function of the caller's: paged attention cannot stand in for it
             logger.debug("attention implementation %r: stock generate(), not paged", own)
             return generate(*args, **kwargs)
-        if _pad_token_inside(args, kwargs, config):
-            # no mask, and a pad token after a row's first token: generate() masks it, a hole no paged cache can
-            # hold (an assistant model's generate() gets no mask from transformers, and its prompt holds every
-            # token the target emitted, the pad token too)
-            logger.debug("a pad token inside the prompt and no attention_mask: stock generate(), not paged")
+        if _holes_in_mask_on_every_rank(state.pool, args, kwargs, config):
+            # a zero after a one in a row's mask: right padding, a pad token masked inside the prompt (transformers
+            # gives an assistant model's and early exit's drafts the mask input_ids != pad_token_id, or none, and
+            # their prompts hold every token the target emitted, the pad token too). No paged cache can hold the
+            # hole; stock attention applies it
+            logger.debug("an attention mask with a hole inside a row: stock generate(), not paged")
             return generate(*args, **kwargs)
         implementation = _cache_implementation(kwargs, passed, model.generation_config)
         if implementation is not None:  # asked for in this call: that cache, not ours
@@ -1238,12 +1245,12 @@ def _wrap_generate(owner, generate, state: PatchState):
             logger.debug("ignoring generation_config.cache_implementation=%r: generating with a PagedCache", default)
             model.generation_config.cache_implementation = None
             try:
-                return _run_paged(model, args, kwargs, config)
+                return _run_paged(model, args, kwargs, config, returned)
             finally:
                 model.generation_config.cache_implementation = default
-        return _run_paged(model, args, kwargs, config)
+        return _run_paged(model, args, kwargs, config, returned)
 
-    def _run_paged(model, args, kwargs, config):
+    def _run_paged(model, args, kwargs, config, returned=None):
         _sync_modules(model, state)
         if (state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs)
                 and not state.pool.fits_placement(state.modules)):
@@ -1266,15 +1273,17 @@ def _wrap_generate(owner, generate, state: PatchState):
         try:
             out = generate(*args, **{**kwargs, state.cache_kwarg: cache})
             _note_held_tokens(cache, out, args, kwargs, config)
-            return out
+            return _continued_in(returned, cache.held_tokens, out, state.cache_kwarg, cache.logical_len)
         finally:
+            cache.returned_len = cache.logical_len
             cache.release()
             cache.returned_by_generate = True
 
     return paged_generate
 
 
-def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: dict, config):
+def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: dict, config,
+                          returned: PagedCache | None = None):
     """generate() on the cache an earlier call returned, with a prompt whose first columns hold other tokens than
     that call's sequences (a chat template that tokenizes an answer otherwise): stock's cache still holds the
     earlier K/V and computes only the columns after them, so this call does too. A cache of its own is filled with
@@ -1290,27 +1299,48 @@ def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: d
               use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
         out = model.generate(*args, **{**kwargs, state.cache_kwarg: cache})
         _note_held_tokens(cache, out, args, kwargs, config, computed_from=held_ids)
-        return out
+        return _continued_in(returned, cache.held_tokens, out, state.cache_kwarg, cache.logical_len)
     finally:
+        cache.returned_len = cache.logical_len
         cache.release()
         cache.made_by_generate = cache.returned_by_generate = True
 
 
-def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: tuple, kwargs: dict):
+def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: tuple, kwargs: dict, config,
+                                returned: PagedCache | None = None):
     """Stock ``generate()`` on a ``DynamicCache`` holding the K/V of the tokens the cache an earlier patched call
     returned held, computed with that call's mask: what stock's own returned cache holds, for a call whose prompt
-    has a pad token inside and no mask (see :func:`_pad_token_inside`)."""
+    has a hole in its mask (see :func:`_holes_in_mask`)."""
     from transformers import DynamicCache
 
     held_ids, held_mask = held
-    if held_ids.shape[1] == 0:  # cropped to nothing: stock's cache is empty, the call computes every column
-        return generate(*args, **kwargs)
     cache = DynamicCache(config=model.config)
-    positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():  # (as generate() computes the K/V it keeps)
-        model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-              **{state.cache_kwarg: cache})
-    return generate(*args, **{**kwargs, state.cache_kwarg: cache})
+    if held_ids.shape[1]:  # (cropped to nothing: stock's cache is empty, the call computes every column)
+        positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():  # (as generate() computes the K/V it keeps)
+            model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True,
+                  logits_to_keep=1, **{state.cache_kwarg: cache})
+    out = generate(*args, **{**kwargs, state.cache_kwarg: cache})
+    if returned is None:
+        return out
+    # the mask's hole is in this cache's K/V now, which no one forward over its tokens recomputes: the cache
+    # passed in keeps it, and calls given that cache continue it (stock generate()), as stock's own cache
+    returned.stock_cache = cache
+    return _continued_in(returned, None, out, state.cache_kwarg)
+
+
+def _continued_in(returned: PagedCache | None, held, out, cache_kwarg: str, length: int = 0):
+    """``out`` of a call given ``returned`` (the released cache an earlier patched call returned), which now
+    records ``held`` (the tokens and mask of the cache the call ran on) and ``length`` (its columns): handed back
+    in place of that cache, as stock's ``generate()`` hands back the cache it was given, grown."""
+    from transformers import Cache
+
+    if returned is None:
+        return out
+    returned.held_tokens, returned.returned_len = held, length
+    if isinstance(getattr(out, cache_kwarg, None), Cache):
+        setattr(out, cache_kwarg, returned)
+    return out
 
 
 def _columns_after_held(held, args: tuple, kwargs: dict, config) -> int | None:
@@ -1787,19 +1817,50 @@ def _get(kwargs: dict, config, name: str):
     return kwargs[name] if name in kwargs else getattr(config, name, None)
 
 
-def _pad_token_inside(args: tuple, kwargs: dict, config) -> bool:
-    """Whether a call without an attention mask has a pad token after some row's first token, which the mask
-    ``generate()`` then builds (:func:`_implied_mask`) masks: a hole inside the row."""
-    if kwargs.get("attention_mask") is not None:
+def _holes_in_mask(args: tuple, kwargs: dict, config) -> bool:
+    """Whether a call's attention mask has a zero after a one in some row (a hole no paged cache can hold): the
+    mask passed (right padding, or the ``input_ids != pad_token_id`` mask transformers hands an assistant model's
+    and early exit's drafts), or, without one, the mask ``generate()`` builds (:func:`_implied_mask`), which masks
+    a pad token after a row's first token."""
+    mask, input_ids, embeds = kwargs.get("attention_mask"), _call_input_ids(args, kwargs), kwargs.get("inputs_embeds")
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+        shape = input_ids.shape
+        if mask is None:
+            mask = _implied_mask(input_ids, kwargs, config)
+    elif isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+        shape = embeds.shape[:2]
+    else:
         return False
-    input_ids = _call_input_ids(args, kwargs)
-    if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
-        return False
+    if not isinstance(mask, torch.Tensor) or mask.shape != shape:
+        return False  # (no mask with embeddings; a mask of another shape is refused, naming it)
     try:
-        left_padding(_implied_mask(input_ids, kwargs, config))
+        left_padding(mask)
     except ValueError:
         return True
     return False
+
+
+def _holes_in_mask_on_every_rank(pool: PagePool, args: tuple, kwargs: dict, config) -> bool:
+    """:func:`_holes_in_mask`, agreed by the ranks of a tensor-parallel pool (one all-reduce): every rank runs the
+    call stock or none does.
+
+    Raises:
+        ValueError: on every rank, when some ranks' masks have holes and others' not (naming a rank's rows).
+    """
+    holes = _holes_in_mask(args, kwargs, config)
+    if pool.ranks is None:
+        return holes
+    some, not_all = pool.ranks.max([int(holes), int(not holes)])
+    failed = None
+    if some and not_all and holes:
+        try:
+            mask = kwargs.get("attention_mask")
+            left_padding(mask if mask is not None else _implied_mask(_call_input_ids(args, kwargs), kwargs, config))
+        except ValueError as e:
+            failed = e
+    if some and not_all:
+        agree(pool.ranks, failed)
+    return holes
 
 
 def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor:

@@ -555,12 +555,15 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
         return (f"its config.layer_types name layers of a kind paged attention does not serve "
                 f"({', '.join(other)}): their cache holds more than each token's K/V (an indexer's keys, "
                 "compressed blocks)")
-    if found and not other and isinstance(layers, int) and found != list(range(layers)) and _layers_changed(
-            model, len(found)):
-        return (f"config.num_hidden_layers is {layers} but its {len(found)} layers have self-attention of "
-                f"layer_idx {found} (layers removed or reordered without updating the config?); set "
-                f"config.num_hidden_layers = {len(found)} and each attention module's layer_idx to its place "
-                f"(0 to {len(found) - 1})")
+    present = _attention_layers_present(model)
+    if found and not other and isinstance(layers, int) and found != list(range(layers)) and present:
+        where = f"{present} layers hold self-attention modules of layer_idx {found}"
+        if present != layers:
+            return (f"config.num_hidden_layers is {layers} but {where} (layers added, removed or reordered "
+                    f"without updating the config?); set config.num_hidden_layers = {present} and each attention "
+                    f"module's layer_idx to its place (0 to {present - 1})")
+        return (f"its {where}, not 0 to {present - 1} (layers reordered or replaced without renumbering?); set each "
+                "attention module's layer_idx to its place")
     if found and (other or (isinstance(layers, int) and found != list(range(layers)))):
         kinds = f" ({', '.join(other)} in config.layer_types)" if other else ""
         return (f"a hybrid model: self-attention in layers {found} of {layers}; the other layers{kinds} keep a "
@@ -568,15 +571,15 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
     return _state_layers(text) or _kv_geometry(text)
 
 
-def _layers_changed(model: torch.nn.Module, num_attention: int) -> bool:
-    """Whether ``model`` holds a list of exactly ``num_attention`` layers that each have self-attention (a model
-    pruned or reordered by hand, not a hybrid, whose other layers would be in the list too)."""
+def _attention_layers_present(model: torch.nn.Module) -> int | None:
+    """The length of ``model``'s list of layers when each of them has self-attention (a model whose layers were
+    removed, added or reordered by hand: a hybrid's list holds layers without it too), else None."""
     attention = {id(m) for m in attention_modules(model, every_copy=True)}
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == num_attention and all(
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
                 any(id(m) in attention for m in layer.modules()) for layer in module):
-            return True
-    return False
+            return len(module)
+    return None
 
 
 def unsupported_config(config) -> str | None:

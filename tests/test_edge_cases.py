@@ -507,6 +507,50 @@ def test_an_assistant_after_the_target_emitted_the_pad_token_runs_as_stock():
             assert _used(assistant) == 0
 
 
+@pytest.mark.parametrize("fed", ["input_ids", "inputs_embeds"])
+@pytest.mark.parametrize("hole", ["right padding", "a masked token inside"])
+def test_a_mask_with_a_hole_passed_without_a_cache_runs_as_stock(hole, fed):
+    # no paged cache holds the hole; stock attention applies it (it had been refused)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    if hole == "right padding":
+        mask[1, 4:] = 0
+    else:
+        mask[0, 2] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+              output_scores=True)
+    inputs = dict(input_ids=ids) if fed == "input_ids" else dict(
+        inputs_embeds=model.get_input_embeddings()(ids).detach())
+    ref = model.generate(**inputs, **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        out = model.generate(**inputs, **kw)
+        assert _used(model) == 0
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("drafts", ["an assistant model", "early exit"])
+def test_drafts_of_a_prompt_with_a_pad_token_inside_run_as_stock(drafts):
+    # transformers hands the drafting generate() the mask input_ids != pad_token_id: a patched assistant had
+    # refused it, and under early exit the failure left transformers' lowered config.num_hidden_layers in place
+    # (every later call gave other tokens)
+    target, assistant = tiny_model("llama"), tiny_model("llama", seed=1)
+    ids = torch.tensor([[57, 82, 91, 0, 51, 80, 71, 81, 27]])  # pad token 0 inside, no mask
+    other = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=8, do_sample=False)
+    extra = dict(assistant_model=assistant) if drafts == "an assistant model" else dict(assistant_early_exit=1)
+    patched = assistant if drafts == "an assistant model" else target
+    ref = target.generate(ids, **extra, **kw)
+    later = target.generate(other, attention_mask=torch.ones_like(other), **kw)
+    with astrai_hf.patched(patched, max_tokens=1024, page_size=4):
+        assert torch.equal(target.generate(ids, **extra, **kw), ref)
+        assert target.config.num_hidden_layers == 2
+        assert torch.equal(target.generate(other, attention_mask=torch.ones_like(other), **kw), later)
+        assert _used(patched) == 0
+
+
 @pytest.mark.parametrize("shape", ["fewer rows", "more rows", "narrower", "wider"])
 def test_a_mask_of_another_shape_than_the_prompt_gets_a_clear_error(shape):
     # stock raises from deep inside (or, for a wider mask, computes over columns no token fills); a mask of one

@@ -75,6 +75,29 @@ def test_extend_matches_reference(case, groups, variant, memory):
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_counts_of_any_integer_kind_and_a_max_q_len_above_the_longest_row_are_taken():
+    # (the checks added for bad input had refused numpy integers and a max_q_len above the queries)
+    import numpy as np
+
+    prev, new = [5, 0], [3, 4]
+    k_cache, v_cache, _, _, meta, _ = _build(prev, new, max(new), 2, 8, PAGE, torch.float32, 3)
+    packed = meta.pack()
+    query = torch.randn(1, 4, sum(new), 8, generator=torch.Generator().manual_seed(2))
+    want = packed_paged_attention(query, k_cache, v_cache, packed, scaling=0.3)[0]
+    args = (query[0].transpose(0, 1).contiguous(), k_cache, v_cache, meta.table, meta.req_rows,
+            torch.tensor(packed.seq_lens, dtype=torch.int32), torch.tensor(packed.qo_indptr, dtype=torch.int32))
+    for max_q_len in (np.int64(4), torch.tensor(4), 16):
+        torch.testing.assert_close(tk.extend_attention(*args, max_q_len, scaling=0.3), want, **TOL)
+    with pytest.raises(ValueError, match=r"qo_indptr must be 1-D \[batch \+ 1\], got shape \(1, 3\)"):
+        tk.extend_attention(*args[:-1], args[-1][None], 4, scaling=0.3)
+    lens = torch.tensor([6, 3], dtype=torch.int32)
+    decode_want = tk.decode_attention(torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3)), k_cache,
+                                      v_cache, meta.table, meta.req_rows, lens, scaling=0.5, num_splits=4)
+    got = tk.decode_attention(torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3)), k_cache, v_cache,
+                              meta.table, meta.req_rows, lens, scaling=0.5, num_splits=np.int64(4))
+    torch.testing.assert_close(got, decode_want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("memory", ["head-major", "slot-major"])
 def test_store_kv_writes_slots(memory):
     if memory == "head-major":
@@ -148,7 +171,7 @@ def test_kernels_refuse_settings_and_buffers_they_would_misuse(case):
     message = {"softcap 0": "softcap must be a positive", "num_splits 0": "num_splits must be a positive int",
                "workspace of fewer splits": r"workspace\[0\] \(mid_o\) must be .* shape \(2, 4, 8, 8\)",
                "out of another shape": r"out must be .* shape \(2, 4, 8\)",
-               "max_q_len below the mean": "max_q_len must be an int from the 6 queries' mean over 2 rows"}[case]
+               "max_q_len below the mean": "max_q_len must be an int of at least the 6 queries' mean over 2 rows"}[case]
     with pytest.raises(ValueError, match=message):
         if case == "max_q_len below the mean":
             tk.extend_attention(torch.randn(6, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens,

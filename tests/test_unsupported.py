@@ -670,9 +670,16 @@ def test_layers_removed_without_updating_the_config_are_refused_saying_so(keep):
                 layer.self_attn.layer_idx = i
         return m
 
-    with pytest.raises(NotImplementedError, match=rf"config.num_hidden_layers is 3 but its {len(keep)} layers have "
-                                                  rf"self-attention of layer_idx \[{', '.join(map(str, sorted(keep)))}\]"):
+    found = ", ".join(map(str, sorted(keep)))
+    with pytest.raises(NotImplementedError, match=rf"config.num_hidden_layers is 3 but {len(keep)} layers hold "
+                                                  rf"self-attention modules of layer_idx \[{found}\] \(layers added"):
         astrai_hf.patch(pruned(fix=False), max_tokens=256)
+    if sorted(keep) != list(range(len(keep))):  # the count updated, the layer_idx not
+        half = pruned(fix=False)
+        half.config.num_hidden_layers = len(keep)
+        with pytest.raises(NotImplementedError, match=rf"its {len(keep)} layers hold self-attention modules of "
+                                                      rf"layer_idx \[{found}\], not 0 to {len(keep) - 1}"):
+            astrai_hf.patch(half, max_tokens=256)
     ids, mask = left_padded_batch([5, 9], seed=1)
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
     model = pruned(fix=True)  # as the message says

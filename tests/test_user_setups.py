@@ -24,6 +24,13 @@ def _used(pool):
     return pool.stats()["num_used_pages"]
 
 
+def _assert_same_output(got, ref, tol=1e-5):
+    """The same sequences, and scores within ``tol``, as stock's ``generate()`` output ``ref``."""
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def test_a_pool_made_under_inference_mode_serves_calls_outside_it():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([7, 12], seed=1)
@@ -1205,21 +1212,28 @@ def test_the_returned_cache_cropped_then_passed_back_continues_from_fewer_column
         got = crop_and_regenerate(patched)
         assert _used(astrai_hf.get_pool(patched)) == 0
     assert got[:2] == ref[:2] == (14, 14 - drop)
-    assert torch.equal(got[2].sequences, ref[2].sequences)
-    for a, b in zip(got[2].scores, ref[2].scores):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _assert_same_output(got[2], ref[2])
 
 
-def test_early_exit_set_in_the_models_generation_config_past_an_emitted_pad_token_equals_stock():
-    # transformers' drafts are generate() calls that read early exit from the model's generation_config too, and
-    # crop the cache the last draft returned by its get_seq_length(). Once the model emitted the pad token (no
-    # mask), a draft continuing a returned cache that recorded no tokens had been refused, and the exception left
+@pytest.mark.parametrize("prompt", ["emitting the pad token", "a chat turn holding pad tokens"])
+def test_early_exit_set_in_the_models_generation_config_past_pad_tokens_equals_stock(prompt):
+    # transformers' drafts are generate() calls that read early exit from the model's generation_config too, crop
+    # the cache the last draft returned by its get_seq_length(), and hand their own drafts the mask
+    # input_ids != pad_token_id. A patched draft had refused a returned cache that recorded no tokens once the
+    # model emitted the pad token, and that mask's holes on a chat turn holding pad tokens; each failure left
     # transformers' lowered config.num_hidden_layers in place: every later call gave other tokens
     model = tiny_model("llama")
-    ids = torch.tensor([[57, 82, 91, 91, 51, 80, 71, 81, 27]])
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    assert model.config.pad_token_id in model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+    if prompt == "emitting the pad token":
+        ids = torch.tensor([[57, 82, 91, 91, 51, 80, 71, 81, 27]])
+        assert model.config.pad_token_id in model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                                           do_sample=False)[0, ids.shape[1]:].tolist()
+    else:
+        first = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+        first = model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=10, do_sample=False)
+        ids = torch.cat([first, torch.full((1, 2), 7)], 1)
+        assert model.config.pad_token_id in ids[0].tolist()
     model.generation_config.assistant_early_exit = 1
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     try:
         ref = model.generate(ids, **kw)
     except TypeError as e:  # transformers before 5.18: its drafts recurse into early exit and fail
@@ -1284,6 +1298,65 @@ def test_rows_of_the_returned_cache_selected_or_reordered_then_passed_back_give_
     with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
         got = continue_rows(patched)
         assert _used(astrai_hf.get_pool(patched)) == 0
-    assert torch.equal(got.sequences, ref.sequences)
-    for a, b in zip(got.scores, ref.scores):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    _assert_same_output(got, ref)
+
+
+@pytest.mark.parametrize("turn2", ["a mask", "a pad token the model emitted, no mask"])
+def test_one_returned_cache_passed_on_every_turn_follows_the_latest_turn_as_stocks(turn2):
+    # stock's generate() grows the cache it is given and hands that object back; the patched turn had handed back
+    # another object, so the one passed again on turn 3 still recorded turn 1 (get_seq_length 13 for 21; a turn
+    # that tokenizes the earlier answer otherwise got other scores)
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 96, (1, 9), generator=g)
+    if turn2 != "a mask":
+        emitted = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False)
+        model.generation_config.pad_token_id = emitted[0, 11].item()  # a token inside the first answer
+    name = astrai_hf.cache_kwarg(model)
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+
+    def turns(m):
+        out = m.generate(prompt, attention_mask=torch.ones_like(prompt), **kw)
+        cache, lengths = getattr(out, name), []
+        seq = torch.cat([out.sequences, torch.tensor([[7, 8, 9]])], 1)
+        mask = dict(attention_mask=torch.ones_like(seq)) if turn2 == "a mask" else {}
+        out = m.generate(seq, **mask, **kw, **{name: cache})
+        assert getattr(out, name) is cache
+        lengths.append(cache.get_seq_length())
+        seq = torch.cat([out.sequences, torch.tensor([[10, 11]])], 1)
+        seq[0, 18] = (seq[0, 18] + 1) % 96  # the second answer tokenized otherwise
+        out = m.generate(seq, attention_mask=torch.ones_like(seq), **kw, **{name: cache})
+        lengths.append(cache.get_seq_length())
+        return lengths, out
+
+    ref = turns(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        got = turns(patched)
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    assert got[0] == ref[0]
+    _assert_same_output(got[1], ref[1])
+
+
+@pytest.mark.parametrize("call", ["beams", "inputs_embeds"])
+def test_the_returned_cache_of_a_call_that_records_no_tokens_reads_stocks_length_and_takes_row_selections(call):
+    # (its get_seq_length() had read 0, and a boolean batch_select_indices raised "the cache holds 0 rows")
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    name = astrai_hf.cache_kwarg(model)
+    fed = (dict(input_ids=ids, num_beams=2) if call == "beams"
+           else dict(inputs_embeds=model.get_input_embeddings()(ids).detach()))
+
+    def lengths(m):
+        out = m.generate(**fed, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                         return_dict_in_generate=True)
+        returned = getattr(out, name)
+        rows = 2 if call == "beams" else 1
+        returned.batch_select_indices(torch.ones(rows, dtype=torch.bool))
+        held = returned.get_seq_length()
+        returned.crop(-2)
+        return held, returned.get_seq_length()
+
+    ref = lengths(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        assert lengths(patched) == ref
+        assert _used(astrai_hf.get_pool(patched)) == 0

@@ -18,6 +18,8 @@ as lengths grow.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -75,6 +77,14 @@ def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             raise ValueError(f"{name} must be 1-D with {entries} entries (batch {batch}), got shape {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def _is_int(value) -> bool:
+    """An integer (numpy's and 0-d integer tensors too), not a bool."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and (
+            value.dtype != torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -227,8 +237,9 @@ def decode_attention(
     B = query.shape[0] if query.dim() == 3 else -1
     _check_attention_inputs(query, k_cache, v_cache, sliding_window, softcap, req_to_token, B,
                             req_rows=req_rows, seq_lens=seq_lens)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    if not _is_int(num_splits) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    num_splits = int(num_splits)
     B, H, D = query.shape
     H_kv = k_cache.shape[1]
     group = H // H_kv
@@ -344,18 +355,20 @@ def extend_attention(
 
     Raises:
         ValueError: as :func:`decode_attention`, for a ``qo_indptr`` not contiguous or not of B + 1 entries, and
-            for a ``max_q_len`` that is not an int from N / B to N (with queries). Whether it covers every row's
+            for a ``max_q_len`` that is not an int of at least N / B (with queries). Whether it covers every row's
             query count is not checked (that would synchronise with the device).
     """
-    B = qo_indptr.shape[0] - 1 if qo_indptr.dim() == 1 else -1
+    if qo_indptr.dim() != 1:
+        raise ValueError(f"qo_indptr must be 1-D [batch + 1], got shape {tuple(qo_indptr.shape)}")
+    B = qo_indptr.shape[0] - 1
     _check_attention_inputs(query, k_cache, v_cache, sliding_window, softcap, req_to_token, B,
                             req_rows=req_rows, seq_lens=seq_lens, qo_indptr=qo_indptr)
     N, H, D = query.shape
     H_kv = k_cache.shape[1]
-    if N and (isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or not 1 <= max_q_len <= N
-              or max_q_len * B < N):
-        raise ValueError(f"max_q_len must be an int from the {N} queries' mean over {B} rows to {N}, got "
+    if N and (not _is_int(max_q_len) or max_q_len < 1 or max_q_len * B < N):
+        raise ValueError(f"max_q_len must be an int of at least the {N} queries' mean over {B} rows, got "
                          f"{max_q_len!r}")
+    max_q_len = int(max_q_len)
     out = torch.zeros(N, H, D, dtype=torch.float32, device=query.device)
     if N == 0:
         return out
