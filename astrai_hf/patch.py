@@ -1320,6 +1320,10 @@ def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: 
         with torch.no_grad():  # (as generate() computes the K/V it keeps)
             model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1, **{state.cache_kwarg: cache})
+    if _get(kwargs, config, "is_assistant") and hasattr(cache, "activate_past_recording"):
+        # an assistant model's drafts are cropped after each round, which a sliding-window layer can only undo
+        # when it records its past: stock's generate() turns that on in the assistant's cache it makes
+        cache.activate_past_recording()
     out = generate(*args, **{**kwargs, state.cache_kwarg: cache})
     if returned is None:
         return out
