@@ -1360,3 +1360,23 @@ def test_the_returned_cache_of_a_call_that_records_no_tokens_reads_stocks_length
     with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
         assert lengths(patched) == ref
         assert _used(astrai_hf.get_pool(patched)) == 0
+
+
+@pytest.mark.parametrize("drafts", ["prompt lookup", "an assistant model"])
+def test_candidate_decoding_continued_on_the_returned_cache_gives_the_tokens_of_a_call_without_it(drafts):
+    # stock's first verification forward feeds the whole prompt again on top of the cache it is given (its cache
+    # then holds those columns twice, and its tokens differ); the patched call computes what a call without that
+    # cache computes (README, Generation modes)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 20, (1, 5), generator=torch.Generator().manual_seed(1))
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
+    kw.update(prompt_lookup_num_tokens=2) if drafts == "prompt lookup" else kw.update(
+        assistant_model=tiny_model("llama", seed=3))
+    name = astrai_hf.cache_kwarg(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        first = patched.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, **kw)
+        seq = torch.cat([first.sequences, torch.tensor([[7, 8]])], 1)
+        got = patched.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=4, **kw,
+                               **{name: getattr(first, name)})
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    _assert_same_output(got, model.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=4, **kw))
