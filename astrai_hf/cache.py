@@ -1026,9 +1026,14 @@ class PagedCache(Cache):
                 raise ValueError(f"layer_idx={layer_idx} is outside this pool's {cfg.spec.num_layers} layers")
             _, H, _, D = key_states.shape
             if (H, D) != (cfg.spec.num_kv_heads, cfg.spec.head_dim):
+                fix = "build the pool with PagePool.from_model(model)"
+                if D == cfg.spec.head_dim:  # (a config field the family's attention ignores, e.g. a stray one)
+                    fix += (f"; if it was (the model's config names {cfg.spec.num_kv_heads} KV heads, a "
+                            f"num_key_value_heads its family's attention ignores), set model.config.num_key_value_heads"
+                            f" = {H} and build the pool again (PagePool.from_model(model), or patch(model) again)")
                 raise ValueError(
                     f"layer {layer_idx} produced K/V with {H} heads x head_dim {D}, but the pool stores "
-                    f"{cfg.spec.num_kv_heads} x {cfg.spec.head_dim}; build the pool with PagePool.from_model(model)"
+                    f"{cfg.spec.num_kv_heads} x {cfg.spec.head_dim}; {fix}"
                 )
             if key_states.dtype != cfg.dtype or value_states.dtype != cfg.dtype:
                 raise TypeError(
@@ -1162,14 +1167,14 @@ class PagedCache(Cache):
         """Beam search: row ``i`` becomes old row ``beam_idx[i]``. Pages are shared (ref counts), not copied.
 
         Raises:
-            ValueError: an index is out of range, or ``beam_idx`` is not a 1-D sequence of integers.
+            ValueError: an index is negative or out of range, or ``beam_idx`` is not a 1-D sequence of integers.
         """
         if self.stock_cache is not None:
             self.stock_cache.reorder_cache(beam_idx)
             return
         if self.returned_by_generate and self.held_tokens is None:  # (no rows recorded: nothing to move)
             return
-        self._select_rows(self._row_indices(beam_idx, "beam_idx", allow_bool=False))
+        self._select_rows(self._row_indices(beam_idx, "beam_idx", allow_bool=False, allow_negative=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times in place (``num_return_sequences`` / beams on a pre-filled cache)."""
@@ -1196,8 +1201,10 @@ class PagedCache(Cache):
             return
         self._select_rows(self._row_indices(indices, "indices", allow_bool=True))
 
-    def _row_indices(self, indices, name: str, *, allow_bool: bool) -> list[int]:
-        """``indices`` as a list of row indices (a boolean mask read as the rows where it is True)."""
+    def _row_indices(self, indices, name: str, *, allow_bool: bool, allow_negative: bool = True) -> list[int]:
+        """``indices`` as a list of row indices (a boolean mask read as the rows where it is True; negative indices
+        count from the end where ``allow_negative``, as tensor indexing does, else are refused, as ``index_select``
+        refuses them)."""
         t = torch.as_tensor(indices)
         if t.numel() == 0 and t.dtype != torch.bool:
             return []  # no rows ([] reads as float32)
@@ -1212,7 +1219,10 @@ class PagedCache(Cache):
             return t.nonzero().flatten().tolist()
         if t.is_floating_point() or t.is_complex():
             raise ValueError(f"{name} must hold integer row indices, got dtype {t.dtype}")
-        return t.reshape(-1).tolist()
+        idx = t.reshape(-1).tolist()
+        if not allow_negative and any(i < 0 for i in idx):
+            raise ValueError(f"{name} must hold row indices from 0, got {[i for i in idx if i < 0]} in {idx}")
+        return idx
 
     def _num_rows(self) -> int:
         if self.returned_by_generate:

@@ -182,6 +182,8 @@ def test_batch_select_indices_takes_a_boolean_mask_of_rows_as_dynamic_cache_does
                     cache.batch_select_indices(torch.tensor([0.0, 1.0]))
                 with pytest.raises(ValueError, match="boolean tensor"):
                     cache.reorder_cache(torch.tensor([True, True]))
+                with pytest.raises(ValueError, match=r"from 0, got \[-1\] in \[0, -1\]"):
+                    cache.reorder_cache(torch.tensor([0, -1]))  # (index_select refuses it: stock's IndexError)
                 cache.release()
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5)
     assert pool.stats()["num_used_pages"] == 0

@@ -686,3 +686,26 @@ def test_layers_removed_without_updating_the_config_are_refused_saying_so(keep):
     ref = model.generate(ids, **kw)
     with astrai_hf.patched(model, max_tokens=256, page_size=4) as patched:
         assert torch.equal(patched.generate(ids, **kw), ref)
+
+
+@pytest.mark.parametrize("family, heads", [("gpt_bigcode", 1), ("persimmon", 4)])
+def test_a_num_key_value_heads_the_family_ignores_is_named_with_the_fix(family, heads):
+    # these families compute their own KV head count; a stray config field sized the pool (the message had said
+    # to build the pool with PagePool.from_model(model), which patch() had done)
+    config = T.AutoConfig.for_model(family, vocab_size=96, hidden_size=64, n_embd=64, intermediate_size=128,
+                                    num_hidden_layers=2, n_layer=2, num_attention_heads=4, n_head=4,
+                                    max_position_embeddings=256, n_positions=256, pad_token_id=0,
+                                    num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=512) as patched:
+        with pytest.raises(ValueError, match=rf"produced K/V with {heads} heads .*the model's config names 2 KV heads.*"
+                                             rf"set model.config.num_key_value_heads = {heads} and build the pool"):
+            patched.generate(ids, **kw)
+        assert astrai_hf.get_pool(patched).stats()["num_used_pages"] == 0
+        patched.config.num_key_value_heads = heads
+        astrai_hf.patch(patched, max_tokens=512)
+        assert torch.equal(patched.generate(ids, **kw), ref)
