@@ -1179,10 +1179,8 @@ def _wrap_generate(owner, generate, state: PatchState):
                 # stock continues its cache, whose K/V attended the pad token an earlier call emitted, and masks it
                 # only for the new columns (an assistant model's next round, a chat's next turn): neither a paged
                 # cache (a hole) nor a run from scratch gives that, a stock cache of the earlier tokens does
-                if held is None:  # (what stock's cache holds is not known: refused, naming the rows)
-                    mask = kwargs.get("attention_mask")
-                    left_padding(mask if mask is not None else _implied_mask(_call_input_ids(args, kwargs), kwargs,
-                                                                             config))
+                if held is None:  # (beams, inputs_embeds: computed as with a fresh cache, as without a hole)
+                    held = (torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long))
                 return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config, returned)

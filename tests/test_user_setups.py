@@ -1380,3 +1380,36 @@ def test_candidate_decoding_continued_on_the_returned_cache_gives_the_tokens_of_
                                **{name: getattr(first, name)})
         assert _used(astrai_hf.get_pool(patched)) == 0
     _assert_same_output(got, model.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=4, **kw))
+
+
+@pytest.mark.parametrize("call", ["beams", "inputs_embeds"])
+def test_a_continuation_with_a_hole_on_the_returned_cache_of_a_call_that_records_no_tokens_runs(call):
+    # the mask sequences != pad_token_id has a hole where a row finished early; the returned cache of beams or
+    # inputs_embeds records no tokens, and the call had been refused as "not left-padded". Beams compute as a fresh
+    # cache would (README); after inputs_embeds of the same ids, stock's cache holds what a fresh one computes
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 6], seed=1 if call == "beams" else 0)
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    if call == "beams":
+        kw.update(num_beams=2, eos_token_id=list(range(5, 16)))
+    else:
+        kw.update(eos_token_id=list(range(3, 40)))
+    name = astrai_hf.cache_kwarg(model)
+
+    def turns(m, with_cache=True):
+        if call == "beams":
+            first = m.generate(ids, attention_mask=mask, **kw)
+            seq = first.sequences
+        else:
+            first = m.generate(inputs_embeds=m.get_input_embeddings()(ids).detach(), attention_mask=mask, **kw)
+            seq = torch.cat([ids, first.sequences], 1)
+        hole = (torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1) * (seq != 0))
+        assert (hole.diff(dim=1) < 0).any()  # a one, then a zero: a hole
+        cache = {name: getattr(first, name)} if with_cache else {}
+        return m.generate(seq, attention_mask=hole, **kw, **cache)
+
+    ref = turns(model, with_cache=call != "beams")
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        got = turns(patched)
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    _assert_same_output(got, ref)
