@@ -1180,11 +1180,14 @@ def _wrap_generate(owner, generate, state: PatchState):
                 # only for the new columns (an assistant model's next round, a chat's next turn): neither a paged
                 # cache (a hole) nor a run from scratch gives that, a stock cache of the earlier tokens does
                 if held is None:  # (beams, inputs_embeds: computed as with a fresh cache, as without a hole)
-                    held = (torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long))
+                    width = _columns_after_held(None, args, kwargs, config, returned.returned_len)
+                    empty = (torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long))
+                    out = _continue_held_tokens_stock(model, state, empty, generate, args, kwargs, config, returned)
+                    return out if width is None else _first_step_outputs_cut(out, width)
                 return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
-            width = _columns_after_held(held, args, kwargs, config)
+            width = _columns_after_held(held, args, kwargs, config, returned.returned_len)
             out = _generate_with(model, given, args, kwargs, config, passed, returned)
             # (stock computes only the columns after its cache's: so many per-position outputs)
             return out if width is None else _first_step_outputs_cut(out, width)
@@ -1345,12 +1348,13 @@ def _continued_in(returned: PagedCache | None, held, out, cache_kwarg: str, leng
     return out
 
 
-def _columns_after_held(held, args: tuple, kwargs: dict, config) -> int | None:
+def _columns_after_held(held, args: tuple, kwargs: dict, config, length: int = 0) -> int | None:
     """For a call given the cache an earlier patched call returned and asking for hidden states or attentions of
     every position: the number of prompt columns after the ``L`` that cache held (stock's cache holds their K/V, so
-    its first forward, and the per-position outputs of it, cover only the columns after them), else None."""
-    if held is None or held[0].shape[1] == 0 or not (
-            _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
+    its first forward, and the per-position outputs of it, cover only the columns after them), else None. ``L`` is
+    the columns of ``held`` (its tokens and mask), or ``length`` where it recorded none (beams, inputs_embeds)."""
+    L = held[0].shape[1] if held is not None else length
+    if L == 0 or not (_get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
         return None
     embeds = kwargs.get("inputs_embeds")
     if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
@@ -1360,7 +1364,7 @@ def _columns_after_held(held, args: tuple, kwargs: dict, config) -> int | None:
         if prompt is None:
             return None
         width = prompt[0].shape[1]
-    return width - held[0].shape[1] if width > held[0].shape[1] else None
+    return width - L if width > L else None
 
 
 def _first_step_outputs_cut(out, width: int):

@@ -494,18 +494,24 @@ def test_the_multi_turn_recipe_passing_the_returned_cache_back_leaves_nothing_us
         assert s["num_used_pages"] == 0 and s["prefix_hit_tokens"] > 0  # the second turn reused the first
 
 
-@pytest.mark.parametrize("edit", [None, 14, "embeds"], ids=["same-tokens", "a-generated-token-edited", "embeds"])
+@pytest.mark.parametrize("edit", [None, 14, "embeds", "first-turn-embeds"],
+                         ids=["same-tokens", "a-generated-token-edited", "embeds", "first-turn-embeds"])
 def test_hidden_states_and_attentions_of_a_turn_on_the_returned_cache_cover_stocks_positions(edit):
     # stock's cache holds the first turn's K/V, so its first forward covers only the columns after them; the
-    # patched call, which recomputes the prompt for per-position outputs, had returned every column
+    # patched call, which recomputes the prompt for per-position outputs, had returned every column (after a first
+    # turn of inputs_embeds, which records no tokens, too)
     model = tiny_model("llama", attn_implementation="eager")
     ids, mask = left_padded_batch([12, 7], seed=1)
     more = torch.randint(3, 96, (2, 3), generator=torch.Generator().manual_seed(2))
     kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
 
     def turns():
-        out = model.generate(ids, attention_mask=mask, **kw)
-        seq = torch.cat([out.sequences, more], 1)
+        if edit == "first-turn-embeds":
+            out = model.generate(inputs_embeds=model.get_input_embeddings()(ids).detach(), attention_mask=mask, **kw)
+            seq = torch.cat([ids, out.sequences, more], 1)  # (sequences: the new tokens alone)
+        else:
+            out = model.generate(ids, attention_mask=mask, **kw)
+            seq = torch.cat([out.sequences, more], 1)
         if isinstance(edit, int):
             seq[0, edit] = (seq[0, edit] + 1) % 96
         m = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
@@ -1406,10 +1412,13 @@ def test_a_continuation_with_a_hole_on_the_returned_cache_of_a_call_that_records
         hole = (torch.cat([mask, torch.ones(2, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1) * (seq != 0))
         assert (hole.diff(dim=1) < 0).any()  # a one, then a zero: a hole
         cache = {name: getattr(first, name)} if with_cache else {}
-        return m.generate(seq, attention_mask=hole, **kw, **cache)
+        return m.generate(seq, attention_mask=hole, output_hidden_states=True, **kw, **cache)
 
     ref = turns(model, with_cache=call != "beams")
     with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
         got = turns(patched)
         assert _used(astrai_hf.get_pool(patched)) == 0
     _assert_same_output(got, ref)
+    if call == "inputs_embeds":  # (stock's first forward covers the columns after its cache's)
+        for a, b in zip(got.hidden_states[0], ref.hidden_states[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
