@@ -1028,9 +1028,10 @@ class PagedCache(Cache):
             if (H, D) != (cfg.spec.num_kv_heads, cfg.spec.head_dim):
                 fix = "build the pool with PagePool.from_model(model)"
                 if D == cfg.spec.head_dim:  # (a config field the family's attention ignores, e.g. a stray one)
-                    fix += (f"; if it was (the model's config names {cfg.spec.num_kv_heads} KV heads, a "
-                            f"num_key_value_heads its family's attention ignores), set model.config.num_key_value_heads"
-                            f" = {H} and build the pool again (PagePool.from_model(model), or patch(model) again)")
+                    fix += (f"; if it was built from this model, the model's config names {cfg.spec.num_kv_heads} "
+                            f"KV heads where its attention computes {H} (a num_key_value_heads its family ignores): "
+                            f"set model.config.num_key_value_heads = {H} and build the pool again "
+                            "(PagePool.from_model(model), or patch(model) again)")
                 raise ValueError(
                     f"layer {layer_idx} produced K/V with {H} heads x head_dim {D}, but the pool stores "
                     f"{cfg.spec.num_kv_heads} x {cfg.spec.head_dim}; {fix}"
@@ -1172,9 +1173,10 @@ class PagedCache(Cache):
         if self.stock_cache is not None:
             self.stock_cache.reorder_cache(beam_idx)
             return
+        idx = self._row_indices(beam_idx, "beam_idx", allow_bool=False, allow_negative=False)
         if self.returned_by_generate and self.held_tokens is None:  # (no rows recorded: nothing to move)
             return
-        self._select_rows(self._row_indices(beam_idx, "beam_idx", allow_bool=False, allow_negative=False))
+        self._select_rows(idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat each row ``repeats`` times in place (``num_return_sequences`` / beams on a pre-filled cache)."""

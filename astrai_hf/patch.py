@@ -1180,6 +1180,7 @@ def _wrap_generate(owner, generate, state: PatchState):
                 # only for the new columns (an assistant model's next round, a chat's next turn): neither a paged
                 # cache (a hole) nor a run from scratch gives that, a stock cache of the earlier tokens does
                 if held is None:  # (beams, inputs_embeds: computed as with a fresh cache, as without a hole)
+                    _refuse_hole_before_held_columns(args, kwargs, config, returned.returned_len)
                     width = _columns_after_held(None, args, kwargs, config, returned.returned_len)
                     empty = (torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long))
                     out = _continue_held_tokens_stock(model, state, empty, generate, args, kwargs, config, returned)
@@ -1346,6 +1347,31 @@ def _continued_in(returned: PagedCache | None, held, out, cache_kwarg: str, leng
     if isinstance(getattr(out, cache_kwarg, None), Cache):
         setattr(out, cache_kwarg, returned)
     return out
+
+
+def _refuse_hole_before_held_columns(args: tuple, kwargs: dict, config, length: int) -> None:
+    """For a call whose mask has a hole, given the cache an earlier patched call returned that recorded no tokens
+    (beams, inputs_embeds), which therefore runs on a fresh cache: refuse a mask that masks one of the first
+    ``length`` columns (those stock's cache holds) before one of them it leaves unmasked. Stock's K/V of the later
+    column attended the masked one; a fresh cache's do not. A hole after them (a row that finished early, padded
+    to the end) changes none of their K/V.
+
+    Raises:
+        ValueError: naming the rows.
+    """
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        mask = _implied_mask(_call_input_ids(args, kwargs), kwargs, config)
+    held = mask[:, :length].bool()
+    hole = (held.long().cumsum(-1) > 0) & ~held  # a masked column after a row's first token
+    rows = ((hole.long().cumsum(-1) > 0) & held).any(-1).nonzero().flatten().tolist()
+    if rows:
+        raise ValueError(
+            f"attention_mask rows {rows} mask a column among the {length} the cache passed in holds, before one they "
+            "leave unmasked: stock's cache holds K/V computed attending it, which the cache a patched generate() "
+            "returned after beam search or inputs_embeds (it records no tokens) cannot give; pass the cache of a "
+            "call of input_ids, or call without a cache"
+        )
 
 
 def _columns_after_held(held, args: tuple, kwargs: dict, config, length: int = 0) -> int | None:

@@ -702,7 +702,7 @@ def test_a_num_key_value_heads_the_family_ignores_is_named_with_the_fix(family, 
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
     ref = model.generate(ids, **kw)
     with astrai_hf.patched(model, max_tokens=512) as patched:
-        with pytest.raises(ValueError, match=rf"produced K/V with {heads} heads .*the model's config names 2 KV heads.*"
+        with pytest.raises(ValueError, match=rf"produced K/V with {heads} heads .*the model's config names 2 KV heads where its attention computes {heads}.*"
                                              rf"set model.config.num_key_value_heads = {heads} and build the pool"):
             patched.generate(ids, **kw)
         assert astrai_hf.get_pool(patched).stats()["num_used_pages"] == 0

@@ -1422,3 +1422,21 @@ def test_a_continuation_with_a_hole_on_the_returned_cache_of_a_call_that_records
     if call == "inputs_embeds":  # (stock's first forward covers the columns after its cache's)
         for a, b in zip(got.hidden_states[0], ref.hidden_states[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hole_among_the_columns_a_returned_cache_of_inputs_embeds_holds_is_refused_naming_the_rows():
+    # stock's K/V of the columns after the masked one attended it; a fresh cache's would not (other tokens)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    ids[0, 3] = 0  # the pad token, attended in the first call (mask of ones), masked in the second (no mask)
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    name = astrai_hf.cache_kwarg(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        first = patched.generate(inputs_embeds=patched.get_input_embeddings()(ids).detach(),
+                                 attention_mask=torch.ones_like(ids), **kw)
+        cache = getattr(first, name)
+        with pytest.raises(ValueError, match=r"rows \[0\] mask a column among the 17 the cache passed in holds"):
+            patched.generate(torch.cat([ids, first.sequences], 1), **kw, **{name: cache})
+        assert _used(astrai_hf.get_pool(patched)) == 0
+        with pytest.raises(ValueError, match=r"from 0, got \[-1\]"):
+            cache.reorder_cache(torch.tensor([0, -1]))  # (no rows recorded, the index is still checked)
