@@ -1319,12 +1319,9 @@ class PagedCache(Cache):
             if self.stock_cache is not None:
                 self.stock_cache.crop(max_length)
             if self.held_tokens is not None:
-                held_ids, held_mask = self.held_tokens
-                L = held_ids.shape[1]
-                keep = max(L + max_length, 0) if max_length <= 0 else min(max_length, L)
-                self.held_tokens = (held_ids[:, :keep], held_mask[:, :keep])
-            L = self.returned_len
-            self.returned_len = max(L + max_length, 0) if max_length <= 0 else min(max_length, L)
+                keep = _columns_kept(self.held_tokens[0].shape[1], max_length)
+                self.held_tokens = tuple(t[:, :keep] for t in self.held_tokens)
+            self.returned_len = _columns_kept(self.returned_len, max_length)
             return
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)
         if keep >= self.logical_len:  # nothing dropped: an unfinished step stays so (its columns are still there)
@@ -1537,6 +1534,12 @@ def _padding_from_positions(positions: list[int]) -> int:
         # before it, which the positions cannot tell apart; every column is stored, which serves both
         return 0
     return pad
+
+
+def _columns_kept(length: int, max_length: int) -> int:
+    """The columns of ``length`` that ``crop(max_length)`` keeps: minus a count to drop (<= 0), or, positive, the
+    length to keep."""
+    return max(length + max_length, 0) if max_length <= 0 else min(max_length, length)
 
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:

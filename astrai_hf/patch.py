@@ -1175,17 +1175,17 @@ def _wrap_generate(owner, generate, state: PatchState):
             if returned.stock_cache is not None:  # continued stock once (below): stock's cache, continued again
                 out = generate(*args, **{**kwargs, state.cache_kwarg: returned.stock_cache})
                 return _continued_in(returned, None, out, state.cache_kwarg)
-            if _holes_in_mask(args, kwargs, config):
+            holes = _mask_with_holes(args, kwargs, config)
+            if holes is not None:
                 # stock continues its cache, whose K/V attended the pad token an earlier call emitted, and masks it
                 # only for the new columns (an assistant model's next round, a chat's next turn): neither a paged
                 # cache (a hole) nor a run from scratch gives that, a stock cache of the earlier tokens does
+                width = None
                 if held is None:  # (beams, inputs_embeds: computed as with a fresh cache, as without a hole)
-                    _refuse_hole_before_held_columns(args, kwargs, config, returned.returned_len)
+                    _refuse_hole_before_held_columns(holes, returned.returned_len)
                     width = _columns_after_held(None, args, kwargs, config, returned.returned_len)
-                    empty = (torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long))
-                    out = _continue_held_tokens_stock(model, state, empty, generate, args, kwargs, config, returned)
-                    return out if width is None else _first_step_outputs_cut(out, width)
-                return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
+                out = _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
+                return out if width is None else _first_step_outputs_cut(out, width)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
             width = _columns_after_held(held, args, kwargs, config, returned.returned_len)
@@ -1311,13 +1311,14 @@ def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: d
 def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: tuple, kwargs: dict, config,
                                 returned: PagedCache | None = None):
     """Stock ``generate()`` on a ``DynamicCache`` holding the K/V of the tokens the cache an earlier patched call
-    returned held, computed with that call's mask: what stock's own returned cache holds, for a call whose prompt
-    has a hole in its mask (see :func:`_holes_in_mask`)."""
+    returned held (``held``: its tokens and mask; None where it recorded none: an empty cache), computed with that
+    call's mask: what stock's own returned cache holds, for a call whose prompt has a hole in its mask (see
+    :func:`_mask_with_holes`)."""
     from transformers import DynamicCache
 
-    held_ids, held_mask = held
+    held_ids, held_mask = held if held is not None else (None, None)
     cache = DynamicCache(config=model.config)
-    if held_ids.shape[1]:  # (cropped to nothing: stock's cache is empty, the call computes every column)
+    if held is not None and held_ids.shape[1]:  # (cropped to nothing: stock's cache is empty, all are computed)
         positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():  # (as generate() computes the K/V it keeps)
             model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True,
@@ -1349,19 +1350,16 @@ def _continued_in(returned: PagedCache | None, held, out, cache_kwarg: str, leng
     return out
 
 
-def _refuse_hole_before_held_columns(args: tuple, kwargs: dict, config, length: int) -> None:
-    """For a call whose mask has a hole, given the cache an earlier patched call returned that recorded no tokens
-    (beams, inputs_embeds), which therefore runs on a fresh cache: refuse a mask that masks one of the first
-    ``length`` columns (those stock's cache holds) before one of them it leaves unmasked. Stock's K/V of the later
-    column attended the masked one; a fresh cache's do not. A hole after them (a row that finished early, padded
-    to the end) changes none of their K/V.
+def _refuse_hole_before_held_columns(mask: torch.Tensor, length: int) -> None:
+    """For a call whose ``mask`` [B, T] has a hole, given the cache an earlier patched call returned that recorded
+    no tokens (beams, inputs_embeds), which therefore runs on a fresh cache: refuse a mask that masks one of the
+    first ``length`` columns (those stock's cache holds) before one of them it leaves unmasked. Stock's K/V of the
+    later column attended the masked one; a fresh cache's do not. A hole after them (a row that finished early,
+    padded to the end) changes none of their K/V.
 
     Raises:
         ValueError: naming the rows.
     """
-    mask = kwargs.get("attention_mask")
-    if mask is None:
-        mask = _implied_mask(_call_input_ids(args, kwargs), kwargs, config)
     held = mask[:, :length].bool()
     hole = (held.long().cumsum(-1) > 0) & ~held  # a masked column after a row's first token
     rows = ((hole.long().cumsum(-1) > 0) & held).any(-1).nonzero().flatten().tolist()
@@ -1849,11 +1847,11 @@ def _get(kwargs: dict, config, name: str):
     return kwargs[name] if name in kwargs else getattr(config, name, None)
 
 
-def _holes_in_mask(args: tuple, kwargs: dict, config) -> bool:
-    """Whether a call's attention mask has a zero after a one in some row (a hole no paged cache can hold): the
-    mask passed (right padding, or the ``input_ids != pad_token_id`` mask transformers hands an assistant model's
-    and early exit's drafts), or, without one, the mask ``generate()`` builds (:func:`_implied_mask`), which masks
-    a pad token after a row's first token."""
+def _mask_with_holes(args: tuple, kwargs: dict, config) -> torch.Tensor | None:
+    """A call's attention mask [B, T] when it has a zero after a one in some row (a hole no paged cache can hold),
+    else None: the mask passed (right padding, or the ``input_ids != pad_token_id`` mask transformers hands an
+    assistant model's and early exit's drafts), or, without one, the mask ``generate()`` builds
+    (:func:`_implied_mask`), which masks a pad token after a row's first token."""
     mask, input_ids, embeds = kwargs.get("attention_mask"), _call_input_ids(args, kwargs), kwargs.get("inputs_embeds")
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
         shape = input_ids.shape
@@ -1862,32 +1860,32 @@ def _holes_in_mask(args: tuple, kwargs: dict, config) -> bool:
     elif isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
         shape = embeds.shape[:2]
     else:
-        return False
+        return None
     if not isinstance(mask, torch.Tensor) or mask.shape != shape:
-        return False  # (no mask with embeddings; a mask of another shape is refused, naming it)
+        return None  # (no mask with embeddings; a mask of another shape is refused, naming it)
     try:
         left_padding(mask)
     except ValueError:
-        return True
-    return False
+        return mask
+    return None
 
 
 def _holes_in_mask_on_every_rank(pool: PagePool, args: tuple, kwargs: dict, config) -> bool:
-    """:func:`_holes_in_mask`, agreed by the ranks of a tensor-parallel pool (one all-reduce): every rank runs the
-    call stock or none does.
+    """Whether the call's mask has holes (:func:`_mask_with_holes`), agreed by the ranks of a tensor-parallel pool
+    (one all-reduce): every rank runs the call stock or none does.
 
     Raises:
         ValueError: on every rank, when some ranks' masks have holes and others' not (naming a rank's rows).
     """
-    holes = _holes_in_mask(args, kwargs, config)
+    mask = _mask_with_holes(args, kwargs, config)
+    holes = mask is not None
     if pool.ranks is None:
         return holes
     some, not_all = pool.ranks.max([int(holes), int(not holes)])
     failed = None
     if some and not_all and holes:
         try:
-            mask = kwargs.get("attention_mask")
-            left_padding(mask if mask is not None else _implied_mask(_call_input_ids(args, kwargs), kwargs, config))
+            left_padding(mask)
         except ValueError as e:
             failed = e
     if some and not_all:
