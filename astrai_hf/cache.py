@@ -198,6 +198,7 @@ class PagedCache(Cache):
     # cache continue it (patch.py), and the methods below act on it, as on stock's cache
     stock_cache = None
     returned_len = 0  # the columns the cache held when that generate() returned (for one that recorded no tokens)
+    returned_rows = 0  # and its rows (moved by the row operations below)
     is_croppable = True
 
     def __init__(
@@ -1075,6 +1076,8 @@ class PagedCache(Cache):
         if self.returned_by_generate:
             if self.stock_cache is not None:
                 return self.stock_cache.get_seq_length(layer_idx)
+            if not self._num_rows():  # (every row dropped: 0, as DynamicCache)
+                return 0
             return self.returned_len if self.held_tokens is None else self.held_tokens[0].shape[1]
         if not self._rows.req_rows:  # (every row dropped: 0, as DynamicCache)
             return 0
@@ -1173,15 +1176,17 @@ class PagedCache(Cache):
         if self.stock_cache is not None:
             self.stock_cache.reorder_cache(beam_idx)
             return
-        idx = self._row_indices(beam_idx, "beam_idx", allow_bool=False, allow_negative=False)
-        if self.returned_by_generate and self.held_tokens is None:  # (no rows recorded: nothing to move)
-            return
-        self._select_rows(idx)
+        self._select_rows(self._row_indices(beam_idx, "beam_idx", allow_bool=False, allow_negative=False))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat each row ``repeats`` times in place (``num_return_sequences`` / beams on a pre-filled cache)."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        """Repeat each row ``repeats`` times in place (``num_return_sequences`` / beams on a pre-filled cache); 0
+        drops every row, as ``DynamicCache``'s ``repeat_interleave`` empties its tensors.
+
+        Raises:
+            ValueError: ``repeats`` is not an int of 0 or more.
+        """
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+            raise ValueError(f"repeats must be an int of 0 or more, got {repeats!r}")
         if self.stock_cache is not None:
             self.stock_cache.batch_repeat_interleave(repeats)
             return
@@ -1198,8 +1203,6 @@ class PagedCache(Cache):
         """
         if self.stock_cache is not None:
             self.stock_cache.batch_select_indices(indices)
-            return
-        if self.returned_by_generate and self.held_tokens is None:  # (no rows recorded: nothing to move)
             return
         self._select_rows(self._row_indices(indices, "indices", allow_bool=True))
 
@@ -1228,20 +1231,22 @@ class PagedCache(Cache):
 
     def _num_rows(self) -> int:
         if self.returned_by_generate:
-            return 0 if self.held_tokens is None else self.held_tokens[0].shape[0]
+            return self.returned_rows if self.held_tokens is None else self.held_tokens[0].shape[0]
         return len(self._rows.req_rows) or len(self._num_pad or ())
 
     def _select_rows(self, idx: list[int]) -> None:
         if self.returned_by_generate:
             # the released cache a patched generate() returned: the rows of the tokens it recorded move, so that a
-            # later call passed it continues the rows stock's cache would hold
+            # later call passed it continues the rows stock's cache would hold (one that recorded no tokens, after
+            # beams or inputs_embeds, only counts its rows)
+            n = self._num_rows()
+            bad = [i for i in idx if not -n <= i < n]
+            if bad:
+                raise ValueError(f"row indices {bad} are out of range for a cache of {n} rows")
             if self.held_tokens is not None:
-                n = self._num_rows()
-                bad = [i for i in idx if not -n <= i < n]
-                if bad:
-                    raise ValueError(f"row indices {bad} are out of range for a cache of {n} rows")
                 rows = torch.tensor(idx, dtype=torch.long)
                 self.held_tokens = tuple(t[rows.to(t.device)] for t in self.held_tokens)
+            self.returned_rows = len(idx)
             return
         stopped = self._unfinished_step()
         if stopped is not None:  # (the rows would move with columns some layers lack; stock's next forward fails)
@@ -1385,7 +1390,7 @@ class PagedCache(Cache):
             twin.made_by_generate = twin.returned_by_generate = True
             twin.held_tokens = self.held_tokens
             twin.stock_cache = copy.deepcopy(self.stock_cache, memo)
-            twin.returned_len = self.returned_len
+            twin.returned_len, twin.returned_rows = self.returned_len, self.returned_rows
         for name in ("stock_attention", "verifies_candidates"):
             if name in self.__dict__:
                 setattr(twin, name, self.__dict__[name])

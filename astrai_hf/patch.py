@@ -1275,11 +1275,9 @@ def _wrap_generate(owner, generate, state: PatchState):
         try:
             out = generate(*args, **{**kwargs, state.cache_kwarg: cache})
             _note_held_tokens(cache, out, args, kwargs, config)
-            return _continued_in(returned, cache.held_tokens, out, state.cache_kwarg, cache.logical_len)
+            return _continued_in(returned, cache, out, state.cache_kwarg)
         finally:
-            cache.returned_len = cache.logical_len
-            cache.release()
-            cache.returned_by_generate = True
+            _release_as_returned(cache)
 
     return paged_generate
 
@@ -1301,11 +1299,9 @@ def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: d
               use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
         out = model.generate(*args, **{**kwargs, state.cache_kwarg: cache})
         _note_held_tokens(cache, out, args, kwargs, config, computed_from=held_ids)
-        return _continued_in(returned, cache.held_tokens, out, state.cache_kwarg, cache.logical_len)
+        return _continued_in(returned, cache, out, state.cache_kwarg)
     finally:
-        cache.returned_len = cache.logical_len
-        cache.release()
-        cache.made_by_generate = cache.returned_by_generate = True
+        _release_as_returned(cache)
 
 
 def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: tuple, kwargs: dict, config,
@@ -1336,15 +1332,29 @@ def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: 
     return _continued_in(returned, None, out, state.cache_kwarg)
 
 
-def _continued_in(returned: PagedCache | None, held, out, cache_kwarg: str, length: int = 0):
+def _release_as_returned(cache: PagedCache) -> None:
+    """Release the cache a patched ``generate()`` ran on, keeping what a later call given it (or its row and crop
+    operations) needs of stock's returned cache: its columns and rows (the tokens, see :func:`_note_held_tokens`,
+    are kept already)."""
+    cache.returned_len, cache.returned_rows = cache.logical_len, cache.batch_size if cache.is_initialized else 0
+    cache.release()
+    cache.made_by_generate = cache.returned_by_generate = True
+
+
+def _continued_in(returned: PagedCache | None, ran_on: PagedCache | None, out, cache_kwarg: str):
     """``out`` of a call given ``returned`` (the released cache an earlier patched call returned), which now
-    records ``held`` (the tokens and mask of the cache the call ran on) and ``length`` (its columns): handed back
-    in place of that cache, as stock's ``generate()`` hands back the cache it was given, grown."""
+    records what ``ran_on``, the cache the call ran on, holds (its tokens and mask, columns and rows; None: the call
+    ran on a stock cache, kept in ``returned.stock_cache``): handed back in place of that cache, as stock's
+    ``generate()`` hands back the cache it was given, grown."""
     from transformers import Cache
 
     if returned is None:
         return out
-    returned.held_tokens, returned.returned_len = held, length
+    if ran_on is None:
+        returned.held_tokens, returned.returned_len, returned.returned_rows = None, 0, 0
+    else:
+        returned.held_tokens, returned.returned_len = ran_on.held_tokens, ran_on.logical_len
+        returned.returned_rows = ran_on.batch_size if ran_on.is_initialized else 0
     if isinstance(getattr(out, cache_kwarg, None), Cache):
         setattr(out, cache_kwarg, returned)
     return out

@@ -1368,6 +1368,44 @@ def test_the_returned_cache_of_a_call_that_records_no_tokens_reads_stocks_length
         assert _used(astrai_hf.get_pool(patched)) == 0
 
 
+@pytest.mark.parametrize("call", ["greedy", "beams", "inputs_embeds"])
+def test_row_operations_on_the_returned_cache_check_indices_against_its_rows_and_empty_it_as_stocks(call):
+    # the returned cache of beams or inputs_embeds records no tokens, and had not counted its rows either: [0, 5]
+    # on 2 rows was accepted (stock: IndexError), and batch_repeat_interleave(0) raised (stock empties its cache)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    name = astrai_hf.cache_kwarg(model)
+    fed = {"greedy": dict(input_ids=ids), "beams": dict(input_ids=ids, num_beams=3),
+           "inputs_embeds": dict(inputs_embeds=model.get_input_embeddings()(ids).detach())}[call]
+    ops = [("reorder_cache", torch.tensor([0, 5])), ("reorder_cache", torch.tensor([1, 0])),
+           ("batch_select_indices", torch.tensor([6])), ("batch_select_indices", torch.tensor([1])),
+           ("batch_select_indices", torch.ones(3, dtype=torch.bool)), ("batch_repeat_interleave", 0),
+           ("batch_repeat_interleave", 2)]
+
+    def outcomes(m):
+        got = []
+        for op, arg in ops:
+            out = m.generate(**fed, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             return_dict_in_generate=True)
+            returned = getattr(out, name)
+            try:
+                getattr(returned, op)(arg)
+            except (IndexError, ValueError):
+                got.append((op, "raised"))
+                continue
+            got.append((op, returned.get_seq_length()))
+            if returned.get_seq_length():  # the rows it kept: a boolean mask of another length is refused
+                with pytest.raises((IndexError, ValueError)):
+                    returned.batch_select_indices(torch.ones(7, dtype=torch.bool))
+        return got
+
+    ref = outcomes(model)
+    assert ("batch_repeat_interleave", 0) in ref and ("batch_select_indices", "raised") in ref  # (what it covers)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        assert outcomes(patched) == ref
+        assert _used(astrai_hf.get_pool(patched)) == 0
+
+
 @pytest.mark.parametrize("drafts", ["prompt lookup", "an assistant model"])
 def test_candidate_decoding_continued_on_the_returned_cache_gives_the_tokens_of_a_call_without_it(drafts):
     # stock's first verification forward feeds the whole prompt again on top of the cache it is given (its cache
