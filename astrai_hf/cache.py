@@ -274,7 +274,7 @@ class PagedCache(Cache):
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt.
-            if rope_depends_on_length(getattr(target, "config", None)) or pool.rope_by_length:
+            if rope_depends_on_length(target) or pool.rope_by_length:
                 prefix_cache = self._rows.insert_on_release = self._wants_prefix_cache = False
             elif ids_outside_vocabulary(target, input_ids):
                 prefix_cache = self._rows.insert_on_release = False

@@ -200,8 +200,19 @@ def _itemsize(dtype: torch.dtype) -> int:
 def rope_depends_on_length(config) -> bool:
     """Whether the model's RoPE frequencies depend on the longest position of each forward (transformers'
     ``dynamic_rope_update``: rope types ``dynamic`` and ``longrope``). Such a model computes a prompt's K/V
-    differently in one forward than in pieces, so neither prefix reuse nor chunked prefill can match stock."""
+    differently in one forward than in pieces, so neither prefix reuse nor chunked prefill can match stock.
+
+    ``config`` is a model's config, or the model itself (an ``nn.Module``): then its rotary embedding modules'
+    own ``rope_type`` counts too, which a module swapped in after loading (a context-extension recipe) sets while
+    the config still says ``default``."""
     types = set()
+    if isinstance(config, torch.nn.Module):
+        for module in config.modules():
+            rope_type = getattr(module, "rope_type", None)  # (transformers' *RotaryEmbedding; a dict per layer type)
+            for t in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
+                if isinstance(t, str):
+                    types.add(t)
+        config = getattr(config, "config", None)
 
     def collect(value) -> None:
         if isinstance(value, dict):

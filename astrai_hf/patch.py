@@ -251,7 +251,7 @@ def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefil
         pack_prefill=pack_prefill,
         prefill_chunk_tokens=prefill_chunk_tokens,
         cuda_graphs=_wants_graphs(model, cuda_graphs),
-        rope_by_length=rope_depends_on_length(model.config),
+        rope_by_length=rope_depends_on_length(model),
         embeds_token_types=embeds_token_types(model),
         own_pool_kwargs=own_pool_kwargs,
     )
@@ -1556,7 +1556,7 @@ def _sync_modules(model, state: PatchState) -> None:
     Raises:
         NotImplementedError: a new module is one ``patch()`` would have refused.
     """
-    state.rope_by_length = rope_depends_on_length(model.config)
+    state.rope_by_length = rope_depends_on_length(model)
     quantized = _dynamically_quantized(model)  # (quantize_dynamic(..., inplace=True) after patch())
     if quantized is not None:
         raise NotImplementedError(f"{type(model).__name__} (it changed since patch()): {quantized}; unpatch it")

@@ -586,13 +586,23 @@ def test_the_returned_cache_of_several_samples_per_prompt_passed_back_with_other
         assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
 
 
-def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_chunks():
+@pytest.mark.parametrize("where", ["config", "module swapped before patch", "module swapped after patch"])
+def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_chunks(where):
+    # a rotary module built from a dynamic-NTK config swapped into a model whose config still says "default" (a
+    # context-extension recipe): prefixes had been reused, rotated for a shorter forward (scores 1.45 off)
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 
+    def swap_rotary(m):
+        config = copy.deepcopy(m.config)
+        config.rope_parameters = rope
+        m.model.rotary_emb = type(m.model.rotary_emb)(config=config)
+
     def fresh():  # dynamic RoPE keeps state between forwards: each run starts from a new model
-        m = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)
+        m = tiny_model("llama", max_position_embeddings=32, **({"rope_parameters": rope} if where == "config" else {}))
         with torch.no_grad():
             m.get_output_embeddings().weight.div_(3.0)
+        if where != "config":
+            swap_rotary(m)
         return m
 
     kw = dict(max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True)
@@ -600,7 +610,11 @@ def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_
     ref = fresh().generate(ids, attention_mask=mask, **kw)
     for chunk in (None, 16):
         model = fresh()
+        if where == "module swapped after patch":
+            model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # default until patched
         with astrai_hf.patched(model, max_tokens=2048, max_seq_len=128, prefill_chunk_tokens=chunk):
+            if where == "module swapped after patch":
+                swap_rotary(model)
             model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=2, do_sample=False)  # a shorter forward
             got = model.generate(ids, attention_mask=mask, **kw)
             assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] == 0
