@@ -189,6 +189,9 @@ class PagedCache(Cache):
     is_compileable = False  # True makes generate() build 4D masks and torch.compile the forward
     stock_attention = False  # a patched model runs its own attention on this cache (set for output_attentions)
     verifies_candidates = False  # set by a patched generate() running prompt lookup or assisted decoding
+    # set by a patched generate() whose peft adapters act per row (patch.peft_adapters_by_row): prefills run
+    # neither packed nor chunked
+    prefill_as_fed = False
     made_by_generate = False  # set on the cache a patched generate() makes for itself (and releases)
     returned_by_generate = False  # set when that generate() has returned: the cache is released for good
     _prompt_width = None  # columns of the prompt the cache was built with (input_ids.shape[1])
@@ -270,11 +273,14 @@ class PagedCache(Cache):
         target = model if model is not None else pool.model
         if prefix_cache:
             from .packing import ids_outside_vocabulary
+            from .patch import peft_adapters_by_row
 
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
-            # prefix for another forward than the one stock runs over the whole prompt.
-            if rope_depends_on_length(target) or pool.rope_by_length:
+            # prefix for another forward than the one stock runs over the whole prompt; an activated LoRA adapts the
+            # tokens after the prompt's last invocation sequence, a position each prompt sets anew.
+            if rope_depends_on_length(target) or pool.rope_by_length or (
+                    target is not None and peft_adapters_by_row(target) is not None):
                 prefix_cache = self._rows.insert_on_release = self._wants_prefix_cache = False
             elif ids_outside_vocabulary(target, input_ids):
                 prefix_cache = self._rows.insert_on_release = False
@@ -1391,7 +1397,7 @@ class PagedCache(Cache):
             twin.held_tokens = self.held_tokens
             twin.stock_cache = copy.deepcopy(self.stock_cache, memo)
             twin.returned_len, twin.returned_rows = self.returned_len, self.returned_rows
-        for name in ("stock_attention", "verifies_candidates"):
+        for name in ("stock_attention", "verifies_candidates", "prefill_as_fed"):
             if name in self.__dict__:
                 setattr(twin, name, self.__dict__[name])
         twin.logical_len, twin._first_step_planned = self.logical_len, self._first_step_planned

@@ -950,8 +950,8 @@ def _wrap_forward(owner, forward, state: PatchState):
                     runner = _runner(model, state, cache.pool)
                     if runner.can_run(step, kwargs, input_ids):
                         return runner.run(cache, step, kwargs, input_ids, state)
-                chunk_tokens = None if state.rope_by_length else state.prefill_chunk_tokens
-                if state.packable and not args and packing.wants_packing(
+                chunk_tokens = None if state.rope_by_length or cache.prefill_as_fed else state.prefill_chunk_tokens
+                if state.packable and not args and not cache.prefill_as_fed and packing.wants_packing(
                     model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=chunk_tokens,
                 ):
                     return packing.packed_forward(forward, kwargs, cache, state, step, input_ids, chunk_tokens)
@@ -1208,6 +1208,7 @@ def _wrap_generate(owner, generate, state: PatchState):
         elif isinstance(given, PagedCache):
             given.rejoin_prefix_cache()  # (emptied since a call that left it)
         if isinstance(given, PagedCache):
+            given.prefill_as_fed = peft_adapters_by_row(model, kwargs) is not None
             _check_callers_cache(given, args, kwargs, config)
             if given.prefilled_from_prefix_cache:
                 forget_rope_deltas(model)
@@ -1728,12 +1729,16 @@ class _GenerationSettings:
         return None
 
 
+def _peft_owners(model) -> list:
+    """``model`` and, where ``model`` is the base model of a peft model generating now, that peft model (peft's
+    ``generate()`` sets its own ``prepare_inputs_for_generation`` on the base model for the call)."""
+    return [model, getattr(model.__dict__.get("prepare_inputs_for_generation"), "__self__", None)]
+
+
 def _peft_prompt_learning(model) -> bool:
     """Whether ``model`` is a peft model whose active adapter is prompt learning (prompt tuning, prefix tuning,
-    p-tuning), or the base model of one generating now (peft's ``generate()`` sets its own
-    ``prepare_inputs_for_generation`` on the base model for the call)."""
-    owners = [model, getattr(model.__dict__.get("prepare_inputs_for_generation"), "__self__", None)]
-    for owner in owners:
+    p-tuning), or the base model of one generating now."""
+    for owner in _peft_owners(model):
         try:
             config = getattr(owner, "active_peft_config", None)
         except Exception:  # peft raises for a model without an active adapter
@@ -1741,6 +1746,48 @@ def _peft_prompt_learning(model) -> bool:
         if getattr(config, "is_prompt_learning", False) is True:
             return True
     return False
+
+
+_PEFT_PER_CALL_ROWS = ("adapter_names", "alora_offsets")  # per-row arguments peft hands its LoRA layers
+
+
+def peft_adapters_by_row(model, kwargs: dict | None = None) -> str | None:
+    """Why peft's LoRA adapters make a token's K/V depend on more than its row's token ids, or None. ``model``
+    is a peft model, the base model of one generating now, or a model with adapters loaded by transformers'
+    ``load_adapter``; ``kwargs`` are the call's.
+
+    - ``adapter_names=`` passed to the call: each row runs its own adapter (peft splits the batch by rows);
+    - an activated LoRA (aLoRA, ``LoraConfig(alora_invocation_tokens=...)``) among the active adapters: it adapts
+      each row's tokens from the last invocation sequence on, counted from the row's end for each call
+      (peft docs, "Activated LoRA");
+    - a base model generating inside a peft model's ``generate()``, whose LoRA layers peft handed either of
+      those for the call (as forward pre-hooks).
+
+    Either way the K/V of a prompt do not follow from its ids (no prefix cache), and a prefill must run as the
+    rectangle ``generate()`` feeds (not packed into one row, not chunked)."""
+    if kwargs is not None and kwargs.get("adapter_names") is not None:
+        return "adapter_names= chooses an adapter per row"
+    for module in model.modules():
+        # a base model generating inside a peft model's generate(): peft hands its LoRA layers the call's
+        # adapter_names / alora_offsets through forward pre-hooks for the call
+        for hook in getattr(module, "_forward_pre_hooks", {}).values():
+            given = getattr(hook, "keywords", None) or {}  # (functools.partial)
+            for name in _PEFT_PER_CALL_ROWS:
+                if given.get(name) is not None:
+                    return f"peft passes its LoRA layers {name} for this call"
+    for owner in _peft_owners(model):
+        configs = getattr(owner, "peft_config", None) if owner is not None else None
+        if not isinstance(configs, dict):
+            continue
+        try:
+            active = owner.active_adapters
+            active = active() if callable(active) else active  # (a method on transformers' adapter mixin)
+        except Exception:  # peft and transformers raise for a model without an active adapter
+            continue
+        for name in [active] if isinstance(active, str) else active or ():
+            if getattr(configs.get(name), "alora_invocation_tokens", None):
+                return f"adapter {name!r} is an activated LoRA (alora_invocation_tokens)"
+    return None
 
 
 def _cache_implementation(kwargs: dict, passed, default) -> str | None:
@@ -1790,6 +1837,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
     cache.verifies_candidates = _candidate_decoding(kwargs, config)
+    cache.prefill_as_fed = peft_adapters_by_row(model, kwargs) is not None
     cache.made_by_generate = True
     return cache
 
@@ -1805,10 +1853,11 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
     # Token types (GPT-2 embeds them, type 0 included) likewise; in models that only mask with them (Gemma 3,
     # Qwen2.5-VL processors send zeros with plain text) zeros are plain text.
-    # peft's per-call adapter_names choose each row's LoRA adapter through hooks of its generate(): the K/V of a
-    # prompt depend on them, which the prefix cache, keyed by token ids, does not see
-    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids", "adapter_names")) or (
+    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids")) or (
         embeds_token_types and any(kwargs.get(name) is not None for name in _TOKEN_TYPES))
+    # peft's per-call adapter_names choose each row's LoRA adapter, and an activated LoRA adapts the tokens after
+    # the last invocation sequence of each call's prompt: K/V the prefix cache, keyed by token ids, does not see
+    adapters = peft_adapters_by_row(model, kwargs) is not None
     # K/V computed under autocast are rounded to its dtype; with a RoPE whose frequencies depend on the longest
     # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the
     # one stock runs over the whole prompt
@@ -1819,7 +1868,7 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # a decoding loop of the caller's (custom_generate) may feed the whole prompt to the cache it is handed, which
     # on stock is always empty
     custom_loop = kwargs.get("custom_generate") is not None
-    return bool(candidates or custom_inputs or autocast or rope_by_length or dropout or custom_loop
+    return bool(candidates or custom_inputs or adapters or autocast or rope_by_length or dropout or custom_loop
                 or _prefill_from_first_column(kwargs, config)
                 or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
 

@@ -400,6 +400,56 @@ def _lora(model):
     return peft.get_peft_model(model, config).eval()
 
 
+@pytest.mark.parametrize("adapters", ["activated LoRA", "adapter_names per row"])
+@pytest.mark.parametrize("patched_first", [False, True], ids=["peft model patched", "base model patched, then peft"])
+def test_peft_adapters_acting_per_row_or_position_give_stocks_tokens(adapters, patched_first):
+    # an activated LoRA adapts the tokens after the prompt's last invocation sequence: a prompt that moves it had
+    # been served the adapted K/V of an earlier prompt's prefix (scores 2.6 off). Under a base model patched
+    # before peft wrapped it, its prefill was packed into one row, where peft's per-row arguments fail (IndexError
+    # for aLoRA, ValueError for adapter_names)
+    peft = pytest.importorskip("peft")
+    invocation = [7, 8, 9]
+    lora = dict(task_type="CAUSAL_LM", r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj"],
+                init_lora_weights=False)
+
+    def wrapped(base):
+        torch.manual_seed(3)
+        if adapters == "activated LoRA":
+            return peft.get_peft_model(base, peft.LoraConfig(**lora, alora_invocation_tokens=invocation)).eval()
+        m = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="a")
+        m.add_adapter("b", peft.LoraConfig(**lora))
+        return m.eval()
+
+    base = tiny_model("llama")
+    stock = wrapped(copy.deepcopy(base))
+    g = torch.Generator().manual_seed(1)
+    x, y, w = (torch.randint(10, 96, (1, n), generator=g) for n in (10, 4, 3))
+    inv = torch.tensor([invocation])
+    first, moved = torch.cat([x, inv, y], 1), torch.cat([x, inv, y, inv, w], 1)
+    short = torch.cat([torch.zeros(1, 5, dtype=torch.long), x[:, :5], inv, w], 1)
+    batch = torch.cat([first[:, :short.shape[1]], short])  # (left-padded)
+    per_row = {"adapter_names": ["a", "b"]} if adapters == "adapter_names per row" else {}
+    calls = [(first, {}), (moved, {}), (batch, per_row), (moved, {})]
+    kw = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+
+    def run(m):
+        return [m.generate(input_ids=ids, attention_mask=(ids != 0).long(), **kw, **more) for ids, more in calls]
+
+    ref = run(stock)
+    if patched_first:
+        astrai_hf.patch(base, max_tokens=1024, page_size=4)
+        model, patched = wrapped(base), base
+    else:
+        model = patched = wrapped(base)
+        astrai_hf.patch(model, max_tokens=1024, page_size=4)
+    try:
+        for got, want in zip(run(model), ref, strict=True):
+            _assert_same_output(got, want)
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    finally:
+        astrai_hf.unpatch(patched)
+
+
 CHANGES = {
     "forward hook": lambda peft_model, model: _steered(model),
     "global forward hook": lambda peft_model, model: _steered(model, global_hook=True),
