@@ -191,3 +191,26 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_source_checkout_on_sys_path_without_an_install_finds_its_patches(tmp_path):
+    # patches/ ships inside the package as astrai_hf.patches only in an install (pyproject.toml's package-dir);
+    # the checkout put on sys.path had failed patch() with "cannot import name 'patches'". -S: no site .pth files,
+    # so no editable install finds it either
+    root = Path(astrai_hf.__file__).resolve().parent.parent
+    site_packages = [p for p in sys.path if p.endswith("site-packages")]
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
+        sys.path += {site_packages!r}
+        import torch, astrai_hf, astrai_hf.patches.autopatch
+        from tiny_models import tiny_model
+        model = tiny_model("llama")
+        with astrai_hf.patched(model, max_tokens=256):
+            print(astrai_hf.patches.__file__, model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2).tolist())
+        """)
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    path, tokens = done.stdout.split(" ", 1)
+    assert Path(path) == root / "patches" / "__init__.py" and len(json.loads(tokens)[0]) == 5
