@@ -53,6 +53,8 @@ class _Rows:
 
     def release(self) -> None:
         pool = self.pool
+        if pool is None:  # (the rows of a returned cache, which hold nothing and let their pool go)
+            return
         with interrupts_deferred():
             try:
                 # rows written before the prefix cache was last cleared (the pool bound to another model, or the
@@ -1376,6 +1378,31 @@ class PagedCache(Cache):
         self._step_layers = set()
         self._pending_q = 0
 
+    def hold_pool_weakly(self) -> None:
+        """Release this cache and keep its pool only by a weak reference from now on: a patched ``generate()``
+        does so for the cache it returns, so that outputs a caller keeps do not keep a deleted model's pool (its
+        K/V memory) alive. ``cache.pool`` reads the pool while it lives.
+
+        Raises (on ``cache.pool`` afterwards):
+            ReferenceError: the pool is gone.
+        """
+        self.release()
+        self._finalizer.detach()
+        self._pool_ref = weakref.ref(self.pool)
+        self._rows.pool = None
+        del self.pool
+
+    def __getattr__(self, name: str):
+        # (reached only for attributes the instance lacks: ``pool`` of a cache that holds it weakly)
+        ref = self.__dict__.get("_pool_ref") if name == "pool" else None
+        if ref is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        pool = ref()
+        if pool is None:
+            raise ReferenceError("this cache's PagePool is gone (the patched model it came from was deleted); the "
+                                 "cache can still be passed to generate() or copied")
+        return pool
+
     def __deepcopy__(self, memo: dict) -> "PagedCache":
         """``copy.deepcopy(cache)`` (transformers' recipe for reusing a prompt's cache in several calls): a new
         cache on the same pool whose rows share this cache's pages (ref counts; either cache copies a shared page
@@ -1385,6 +1412,17 @@ class PagedCache(Cache):
             CacheFullError: the pool has too few free request rows for the copy.
             ValueError: the last forward stopped midway (some layers stored its K/V, others not): ``crop()`` it first.
         """
+        if "pool" not in self.__dict__:
+            # the released cache a patched generate() returned, which holds its pool weakly (the pool may be gone):
+            # so does its copy, which holds what it records (tokens, lengths, a stock cache) copied
+            twin = object.__new__(PagedCache)
+            memo[id(self)] = twin
+            for name, value in self.__dict__.items():
+                if name not in ("_rows", "_finalizer"):
+                    twin.__dict__[name] = copy.deepcopy(value, memo)
+            twin._rows = _Rows(None)
+            twin._finalizer = weakref.finalize(twin, twin._rows.release)
+            return twin
         stopped = self._unfinished_step()
         if stopped is not None:  # (the copy would hold columns some layers lack, and not know it)
             raise ValueError(f"cannot copy this PagedCache: the previous forward {stopped}")

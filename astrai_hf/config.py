@@ -197,6 +197,17 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _collect_rope_types(value, types: set[str]) -> None:
+    """Add the rope types named in ``value`` (a config's ``rope_parameters`` or ``rope_scaling``, nested per layer
+    type in some) to ``types``. (A function of the module: a closure calling itself is a reference cycle.)"""
+    if isinstance(value, dict):
+        for key in ("rope_type", "type"):  # ("type": the name in older configs' rope_scaling)
+            if isinstance(value.get(key), str):
+                types.add(value[key])
+        for v in value.values():
+            _collect_rope_types(v, types)
+
+
 def rope_depends_on_length(config) -> bool:
     """Whether the model's RoPE frequencies depend on the longest position of each forward (transformers'
     ``dynamic_rope_update``: rope types ``dynamic`` and ``longrope``). Such a model computes a prompt's K/V
@@ -205,7 +216,7 @@ def rope_depends_on_length(config) -> bool:
     ``config`` is a model's config, or the model itself (an ``nn.Module``): then its rotary embedding modules'
     own ``rope_type`` counts too, which a module swapped in after loading (a context-extension recipe) sets while
     the config still says ``default``."""
-    types = set()
+    types: set[str] = set()
     if isinstance(config, torch.nn.Module):
         for module in config.modules():
             rope_type = getattr(module, "rope_type", None)  # (transformers' *RotaryEmbedding; a dict per layer type)
@@ -213,14 +224,6 @@ def rope_depends_on_length(config) -> bool:
                 if isinstance(t, str):
                     types.add(t)
         config = getattr(config, "config", None)
-
-    def collect(value) -> None:
-        if isinstance(value, dict):
-            for key in ("rope_type", "type"):  # ("type": the name in older configs' rope_scaling)
-                if isinstance(value.get(key), str):
-                    types.add(value[key])
-            for v in value.values():
-                collect(v)
 
     configs = [config]
     text_config = getattr(config, "get_text_config", None)
@@ -231,5 +234,5 @@ def rope_depends_on_length(config) -> bool:
             pass
     for cfg in configs:
         for name in ("rope_parameters", "rope_scaling"):
-            collect(getattr(cfg, name, None))
+            _collect_rope_types(getattr(cfg, name, None), types)
     return any("dynamic" in t or t == "longrope" for t in types)

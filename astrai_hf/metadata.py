@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -164,6 +165,8 @@ class StepMetadata:
         Built once per step.
         """
         found = self._views.get("buckets")
+        if found == "whole":
+            return [(list(range(len(self.seq_lens))), self)]
         if found is not None:
             return found
         call_cost = BUCKET_CALL_COST if call_cost is None else call_cost
@@ -187,11 +190,10 @@ class StepMetadata:
             i = cut[k][j]
             runs.append(order[i:j])
             j, k = i, k - 1
-        if len(runs) == 1:
-            found = [(list(range(B)), self)]
-        else:
-            found = [(sorted(rows), self.select(sorted(rows))) for rows in reversed(runs)]
-        self._views["buckets"] = found
+        if len(runs) == 1:  # (kept as a mark: a list holding this step, kept by it, would be a reference cycle)
+            self._views["buckets"] = "whole"
+            return [(list(range(B)), self)]
+        found = self._views["buckets"] = [(sorted(rows), self.select(sorted(rows))) for rows in reversed(runs)]
         return found
 
     def select(self, rows: list[int]) -> "StepMetadata":
@@ -222,7 +224,9 @@ class DeviceView:
     """Per-device index tensors of a step, built lazily so a single-device model builds each once per step."""
 
     def __init__(self, meta: StepMetadata, device: torch.device):
-        self.meta, self.device = meta, device
+        # (weakly: the step keeps its views, and a cycle between them would leave each step's index tensors to the
+        # garbage collector, which servers may run rarely or turn off)
+        self.meta, self.device = weakref.proxy(meta), device
         self.slot_mapping = meta.slot_mapping.to(device, non_blocking=True)
         self.write_src = None if meta.write_src is None else meta.write_src.to(device, non_blocking=True)
         self._kv_slots = None

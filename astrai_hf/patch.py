@@ -1154,7 +1154,9 @@ def _wrap_generate(owner, generate, state: PatchState):
         assistant = getattr(_underlying(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
             kwargs.get("assistant_model"), torch.nn.Module) else None
         also = (assistant, None) if assistant is not None else ()
-        with _one_call(state, given.pool if isinstance(given, PagedCache) else None, *also):
+        # (a cache an earlier patched call returned is released: its pool, held weakly, plays no part)
+        theirs = given.pool if isinstance(given, PagedCache) and "pool" in vars(given) else None
+        with _one_call(state, theirs, *also):
             state.generating += 1
             try:
                 return _paged_generate(_alive(model_ref), *args, **kwargs)
@@ -1338,7 +1340,7 @@ def _release_as_returned(cache: PagedCache) -> None:
     operations) needs of stock's returned cache: its columns and rows (the tokens, see :func:`_note_held_tokens`,
     are kept already)."""
     cache.returned_len, cache.returned_rows = cache.logical_len, cache.batch_size if cache.is_initialized else 0
-    cache.release()
+    cache.hold_pool_weakly()  # (released: outputs a caller keeps must not keep a deleted model's pool alive)
     cache.made_by_generate = cache.returned_by_generate = True
 
 

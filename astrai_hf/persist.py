@@ -133,7 +133,12 @@ def _offloaded_value(model: torch.nn.Module, name: str) -> torch.Tensor | None:
 
 def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """Strided tensors holding every bit of ``t``: ``t`` itself; a quantized tensor's integer values with its scales
-    and zero points; a sparse tensor's values as a dense one."""
+    and zero points; a sparse tensor's values as a dense one; the inner tensors of a tensor subclass that names
+    them (``__tensor_flatten__``: torchao's quantized weights, say, whose values have no byte view)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and callable(flatten):
+        names = flatten()[0]
+        return [part for name in names for part in _plain_parts(getattr(t, name))]
     if t.is_quantized:
         if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
             params = [torch.tensor([t.q_scale()], dtype=torch.float64), torch.tensor([t.q_zero_point()])]
@@ -169,7 +174,7 @@ def _run_sums(t: torch.Tensor) -> bytes:
     A tail of fewer than 4 bytes is taken as is."""
     try:
         raw = t.contiguous().reshape(-1).view(torch.uint8)
-    except (RuntimeError, TypeError):  # a tensor subclass without a byte view: its values, in float64
+    except (RuntimeError, TypeError, NotImplementedError):  # a tensor subclass without a byte view: its values
         raw = t.to(torch.float64).contiguous().reshape(-1).view(torch.uint8)
     if raw.storage_offset() % 4:  # a view at an odd place in its storage (vector_to_parameters): words need a copy
         raw = raw.clone()

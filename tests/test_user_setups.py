@@ -4,7 +4,9 @@ positionally. A patched model must behave as stock does there, and leave the poo
 
 import contextlib
 import copy
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -1542,3 +1544,134 @@ def test_a_hole_among_the_columns_a_returned_cache_of_inputs_embeds_holds_is_ref
         assert _used(astrai_hf.get_pool(patched)) == 0
         with pytest.raises(ValueError, match=r"from 0, got \[-1\]"):
             cache.reorder_cache(torch.tensor([0, -1]))  # (no rows recorded, the index is still checked)
+
+
+@pytest.mark.parametrize("how", ["patched", "a PagedCache without patch()"])
+@pytest.mark.parametrize("lengths", [[3, 5], [2, 300, 301]], ids=["one bucket", "buckets"])
+def test_generate_leaves_no_reference_cycles_of_its_own(how, lengths):
+    # each step's metadata and its per-device view (and its one-bucket list) referred to each other: index tensors
+    # left to the garbage collector, 100k objects over 400 calls where servers turn it off (gc.disable/freeze)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch(lengths, seed=0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=4, max_seq_len=512)
+
+    def call():
+        if how == "patched":
+            return model.generate(ids, **kw)
+        with PagedCache(pool, ids, mask, model=model) as cache:
+            return model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache})
+
+    with contextlib.ExitStack() as stack:
+        if how == "patched":
+            stack.enter_context(astrai_hf.patched(model, pool=pool))
+        call()
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(2):
+                call()
+            gc.collect()
+            left = [o for o in gc.garbage if type(o).__module__.startswith("astrai_hf") or isinstance(o, torch.Tensor)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert not left, sorted({type(o).__name__ for o in left})
+    assert _used(pool) == 0
+
+
+def test_a_kept_output_lets_a_deleted_models_pool_go_and_its_cache_still_continues():
+    # the released cache in a kept return_dict_in_generate output held the pool: after `del model` its K/V memory
+    # stayed until the output went (a list of outputs pinned every pool)
+    ids, mask = left_padded_batch([4, 7], seed=3)
+    kw = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    name = astrai_hf.cache_kwarg(tiny_model("llama"))
+
+    def turn2(model, out):
+        seq = torch.cat([out.sequences, torch.full((2, 2), 9)], 1)
+        return model.generate(seq, attention_mask=torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1),
+                              **kw, **{name: getattr(out, name)})
+
+    stock = tiny_model("llama")
+    ref_first = stock.generate(ids, attention_mask=mask, **kw)
+    length = ref_first[name].get_seq_length()
+    ref = turn2(stock, ref_first)
+    model = tiny_model("llama")
+    astrai_hf.patch(model, max_tokens=1024, page_size=4)
+    pool = weakref.ref(astrai_hf.get_pool(model))
+    out = model.generate(ids, attention_mask=mask, **kw)
+    returned = getattr(out, name)
+    del model
+    gc.collect()
+    assert pool() is None
+    with pytest.raises(ReferenceError, match="PagePool is gone"):
+        returned.pool
+    twin = copy.deepcopy(out)  # (a copy needs no pool)
+    assert getattr(twin, name).get_seq_length() == returned.get_seq_length() == length
+    other = tiny_model("llama")  # the same weights: stock's cache of the first model continues on it
+    with astrai_hf.patched(other, max_tokens=1024, page_size=4):
+        _assert_same_output(turn2(other, twin), ref)
+        _assert_same_output(turn2(other, out), ref)
+        assert _used(astrai_hf.get_pool(other)) == 0
+
+
+class _Int8Weight(torch.Tensor):
+    """A weight kept as int8 values and a scale per output row, as torchao's quantized weights are: a wrapper tensor
+    subclass naming its inner tensors (``__tensor_flatten__``), with no byte view or float copy of its own (those
+    raise NotImplementedError, as torchao's unimplemented operators do)."""
+
+    @staticmethod
+    def __new__(cls, qdata, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=scale.dtype, device=qdata.device)
+
+    def __init__(self, qdata, scale):
+        self.qdata, self.scale = qdata, scale
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scale"], None
+
+    @classmethod
+    def of(cls, weight):
+        scale = weight.detach().abs().amax(1, keepdim=True) / 127
+        return torch.nn.Parameter(cls(torch.round(weight.detach() / scale).to(torch.int8), scale), requires_grad=False)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0].qdata, args[0].scale)
+        if func in (torch.ops.aten.view.default, torch.ops.aten._to_copy.default):
+            raise NotImplementedError(f"{cls.__name__} dispatch: {func} is not implemented")
+        plain = [a.qdata.to(a.scale.dtype) * a.scale if isinstance(a, cls) else a for a in args]
+        return func(*plain, **kwargs)
+
+
+@pytest.mark.parametrize("when", ["before patch", "after patch"])
+def test_weights_of_a_tensor_subclass_without_a_byte_view_are_watched_through_their_inner_tensors(when):
+    # torchao's int8 weights: the weights digest read their bytes, then their float64 values, and both raised
+    # NotImplementedError, so patch() (or the first call after quantizing a patched model) failed
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+
+    def quantize(m):
+        for layer in m.model.layers:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                proj = getattr(layer.self_attn, name)
+                proj.weight = _Int8Weight.of(proj.weight)
+
+    stock = copy.deepcopy(model)
+    quantize(stock)
+    ref = stock.generate(ids, **kw)
+    if when == "before patch":
+        quantize(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        if when == "after patch":
+            model.generate(ids, **kw)  # (the prefix cache holds these prompts, of the float weights)
+            quantize(model)
+        for _ in range(2):
+            _assert_same_output(model.generate(ids, **kw), ref)
+        assert _used(astrai_hf.get_pool(model)) == 0
+        assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] > 0  # (the second call reuses the first's)
