@@ -418,8 +418,8 @@ def test_peft_adapters_acting_per_row_or_position_give_stocks_tokens(adapters, p
         torch.manual_seed(3)
         if adapters == "activated LoRA":
             return peft.get_peft_model(base, peft.LoraConfig(**lora, alora_invocation_tokens=invocation)).eval()
-        m = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="a")
-        m.add_adapter("b", peft.LoraConfig(**lora))
+        m = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="x")
+        m.add_adapter("y", peft.LoraConfig(**lora))
         return m.eval()
 
     base = tiny_model("llama")
@@ -430,7 +430,7 @@ def test_peft_adapters_acting_per_row_or_position_give_stocks_tokens(adapters, p
     first, moved = torch.cat([x, inv, y], 1), torch.cat([x, inv, y, inv, w], 1)
     short = torch.cat([torch.zeros(1, 5, dtype=torch.long), x[:, :5], inv, w], 1)
     batch = torch.cat([first[:, :short.shape[1]], short])  # (left-padded)
-    per_row = {"adapter_names": ["a", "b"]} if adapters == "adapter_names per row" else {}
+    per_row = {"adapter_names": ["x", "y"]} if adapters == "adapter_names per row" else {}
     calls = [(first, {}), (moved, {}), (batch, per_row), (moved, {})]
     kw = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
 
