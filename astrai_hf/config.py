@@ -219,7 +219,9 @@ def rope_depends_on_length(config) -> bool:
     types: set[str] = set()
     if isinstance(config, torch.nn.Module):
         for module in config.modules():
-            rope_type = getattr(module, "rope_type", None)  # (transformers' *RotaryEmbedding; a dict per layer type)
+            # (transformers' *RotaryEmbedding sets it in __init__; a dict per layer type. Read from the instance's
+            # dict: a module's getattr of a missing name raises inside, and this runs per call)
+            rope_type = vars(module).get("rope_type")
             for t in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
                 if isinstance(t, str):
                     types.add(t)

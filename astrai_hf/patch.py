@@ -1772,7 +1772,7 @@ def peft_adapters_by_row(model, kwargs: dict | None = None) -> str | None:
     for module in model.modules():
         # a base model generating inside a peft model's generate(): peft hands its LoRA layers the call's
         # adapter_names / alora_offsets through forward pre-hooks for the call
-        for hook in getattr(module, "_forward_pre_hooks", {}).values():
+        for hook in vars(module).get("_forward_pre_hooks", {}).values():
             given = getattr(hook, "keywords", None) or {}  # (functools.partial)
             for name in _PEFT_PER_CALL_ROWS:
                 if given.get(name) is not None:
