@@ -4,18 +4,34 @@ Importing this package registers nothing and patches nothing; :func:`patch` does
 logs to the ``astrai_hf`` logger (patching at INFO; prefix-cache hits, pool pressure and evictions at DEBUG).
 """
 
+import importlib.util
 import logging
 import os
+import sys
 
-# A source checkout put on sys.path without installing it: the per-family patches live in patches/ beside this
-# package, which an install ships inside it as astrai_hf.patches (pyproject.toml's package-dir); the checkout's
-# folder on this package's path finds them there.
-_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if (not os.path.isdir(os.path.join(__path__[0], "patches"))
-        and os.path.isfile(os.path.join(_checkout, "patches", "autopatch.py"))
-        and os.path.isfile(os.path.join(_checkout, "pyproject.toml"))):
-    __path__.append(_checkout)
-del _checkout
+
+def _bind_checkout_patches() -> None:
+    """A source checkout put on sys.path without installing it: the per-family patches live in ``patches/`` beside
+    this package, which an install ships inside it as ``astrai_hf.patches`` (pyproject.toml's package-dir). Where
+    no finder knows ``astrai_hf.patches`` (an editable install's does), bind that folder under the name."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches")
+    init = os.path.join(folder, "__init__.py")
+    if "astrai_hf.patches" in sys.modules or not os.path.isfile(os.path.join(folder, "autopatch.py")):
+        return
+    if importlib.util.find_spec("astrai_hf.patches") is not None:
+        return
+    spec = importlib.util.spec_from_file_location("astrai_hf.patches", init, submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["astrai_hf.patches"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["astrai_hf.patches"]
+        raise
+    globals()["patches"] = module  # (as the import system binds a submodule it loads on its package)
+
+
+_bind_checkout_patches()
 
 from .cache import PagedCache, cache_kwarg
 from .errors import CacheFullError

@@ -191,9 +191,9 @@ class PagedCache(Cache):
     is_compileable = False  # True makes generate() build 4D masks and torch.compile the forward
     stock_attention = False  # a patched model runs its own attention on this cache (set for output_attentions)
     verifies_candidates = False  # set by a patched generate() running prompt lookup or assisted decoding
-    # set by a patched generate() whose peft adapters act per row (patch.peft_adapters_by_row): prefills run
-    # neither packed nor chunked
-    prefill_as_fed = False
+    # set by a patched generate() whose peft adapters act per row (patch.peft_adapters_by_row): every forward runs on
+    # the rows as fed (prefills neither packed nor chunked, decode steps not padded to a graph bucket)
+    rows_as_fed = False
     made_by_generate = False  # set on the cache a patched generate() makes for itself (and releases)
     returned_by_generate = False  # set when that generate() has returned: the cache is released for good
     _prompt_width = None  # columns of the prompt the cache was built with (input_ids.shape[1])
@@ -280,9 +280,11 @@ class PagedCache(Cache):
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt; an activated LoRA adapts the
-            # tokens after the prompt's last invocation sequence, a position each prompt sets anew.
-            if rope_depends_on_length(target) or pool.rope_by_length or (
-                    target is not None and peft_adapters_by_row(target) is not None):
+            # tokens after the prompt's last invocation sequence, a position each prompt sets anew. (A patched
+            # model's generate() has looked at its modules for this call already: its config is enough here.)
+            unpatched = target is not None and PATCH_STATE_ATTR not in vars(target)
+            rope = rope_depends_on_length(target if unpatched else getattr(target, "config", None))
+            if rope or pool.rope_by_length or (unpatched and peft_adapters_by_row(target) is not None):
                 prefix_cache = self._rows.insert_on_release = self._wants_prefix_cache = False
             elif ids_outside_vocabulary(target, input_ids):
                 prefix_cache = self._rows.insert_on_release = False
@@ -1161,6 +1163,8 @@ class PagedCache(Cache):
         layer_idx = as_int("layer_idx", layer_idx)
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx={layer_idx} is outside this cache's {self.num_layers} layers")
+        if "pool" not in self.__dict__ and "_empty_kv" in self.__dict__:  # (released, its pool held weakly)
+            return self._empty_kv[which][layer_idx].clone()
         layer = getattr(self.pool.storage, which)[layer_idx]
         rows = self._rows
         if not rows.req_rows:  # nothing yet, or every row dropped (logical_len stays, as in DynamicCache)
@@ -1378,29 +1382,29 @@ class PagedCache(Cache):
         self._step_layers = set()
         self._pending_q = 0
 
-    def hold_pool_weakly(self) -> None:
+    def _hold_pool_weakly(self, pool: PagePool | None = None) -> None:
         """Release this cache and keep its pool only by a weak reference from now on: a patched ``generate()``
-        does so for the cache it returns, so that outputs a caller keeps do not keep a deleted model's pool (its
-        K/V memory) alive. ``cache.pool`` reads the pool while it lives.
-
-        Raises (on ``cache.pool`` afterwards):
-            ReferenceError: the pool is gone.
-        """
+        does so for the cache it returns (it holds no K/V), so that outputs a caller keeps do not keep a deleted
+        model's pool (its K/V memory) alive. ``cache.pool`` reads the pool while it lives; afterwards it raises
+        ``AttributeError`` (``hasattr(cache, "pool")`` is False), and ``layer_kv()`` still gives the empty K/V.
+        ``pool``: the pool to hold from now on (that of the call a returned cache was passed to), else its own."""
         self.release()
+        pool = self.pool if pool is None else pool
+        self._empty_kv = {which: [t.new_zeros(0, t.shape[1], 0, t.shape[2]) for t in getattr(pool.storage, which)]
+                          for which in ("k", "v")}
         self._finalizer.detach()
-        self._pool_ref = weakref.ref(self.pool)
+        self._pool_ref = weakref.ref(pool)
         self._rows.pool = None
-        del self.pool
+        self.__dict__.pop("pool", None)
 
     def __getattr__(self, name: str):
         # (reached only for attributes the instance lacks: ``pool`` of a cache that holds it weakly)
         ref = self.__dict__.get("_pool_ref") if name == "pool" else None
-        if ref is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        pool = ref()
+        pool = ref() if ref is not None else None
         if pool is None:
-            raise ReferenceError("this cache's PagePool is gone (the patched model it came from was deleted); the "
-                                 "cache can still be passed to generate() or copied")
+            gone = (": its PagePool is gone (the patched model whose generate() returned this cache was deleted); "
+                    "the cache holds no K/V, and a patched model's generate() still takes it") if ref else ""
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{gone}")
         return pool
 
     def __deepcopy__(self, memo: dict) -> "PagedCache":
@@ -1435,7 +1439,7 @@ class PagedCache(Cache):
             twin.held_tokens = self.held_tokens
             twin.stock_cache = copy.deepcopy(self.stock_cache, memo)
             twin.returned_len, twin.returned_rows = self.returned_len, self.returned_rows
-        for name in ("stock_attention", "verifies_candidates", "prefill_as_fed"):
+        for name in ("stock_attention", "verifies_candidates", "rows_as_fed"):
             if name in self.__dict__:
                 setattr(twin, name, self.__dict__[name])
         twin.logical_len, twin._first_step_planned = self.logical_len, self._first_step_planned

@@ -946,12 +946,12 @@ def _wrap_forward(owner, forward, state: PatchState):
         cache._pending_q = q  # the model may ask get_seq_length() before any layer stores this step
         try:
             with paged_attention_on(state, step, cache.pool):
-                if state.cuda_graphs and not args:
+                if state.cuda_graphs and not args and not cache.rows_as_fed:  # (a bucket pads the rows)
                     runner = _runner(model, state, cache.pool)
                     if runner.can_run(step, kwargs, input_ids):
                         return runner.run(cache, step, kwargs, input_ids, state)
-                chunk_tokens = None if state.rope_by_length or cache.prefill_as_fed else state.prefill_chunk_tokens
-                if state.packable and not args and not cache.prefill_as_fed and packing.wants_packing(
+                chunk_tokens = None if state.rope_by_length or cache.rows_as_fed else state.prefill_chunk_tokens
+                if state.packable and not args and not cache.rows_as_fed and packing.wants_packing(
                     model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=chunk_tokens,
                 ):
                     return packing.packed_forward(forward, kwargs, cache, state, step, input_ids, chunk_tokens)
@@ -1177,6 +1177,12 @@ def _wrap_generate(owner, generate, state: PatchState):
             if returned.stock_cache is not None:  # continued stock once (below): stock's cache, continued again
                 out = generate(*args, **{**kwargs, state.cache_kwarg: returned.stock_cache})
                 return _continued_in(returned, None, out, state.cache_kwarg)
+            if peft_adapters_by_row(model, kwargs) is not None:
+                # stock's cache holds the earlier tokens' K/V under the earlier call's adapters, which the tokens
+                # computed again under this call's per-row adapters (or its aLoRA offsets) are not: the call
+                # runs as without the cache (README, Prefix cache)
+                logger.debug("peft adapters per row or position: the returned cache's tokens are not reused")
+                return _generate_with(model, None, args, kwargs, config, passed, returned)
             holes = _mask_with_holes(args, kwargs, config)
             if holes is not None:
                 # stock continues its cache, whose K/V attended the pad token an earlier call emitted, and masks it
@@ -1210,7 +1216,7 @@ def _wrap_generate(owner, generate, state: PatchState):
         elif isinstance(given, PagedCache):
             given.rejoin_prefix_cache()  # (emptied since a call that left it)
         if isinstance(given, PagedCache):
-            given.prefill_as_fed = peft_adapters_by_row(model, kwargs) is not None
+            given.rows_as_fed = peft_adapters_by_row(model, kwargs) is not None
             _check_callers_cache(given, args, kwargs, config)
             if given.prefilled_from_prefix_cache:
                 forget_rope_deltas(model)
@@ -1340,7 +1346,7 @@ def _release_as_returned(cache: PagedCache) -> None:
     operations) needs of stock's returned cache: its columns and rows (the tokens, see :func:`_note_held_tokens`,
     are kept already)."""
     cache.returned_len, cache.returned_rows = cache.logical_len, cache.batch_size if cache.is_initialized else 0
-    cache.hold_pool_weakly()  # (released: outputs a caller keeps must not keep a deleted model's pool alive)
+    cache._hold_pool_weakly()  # (released: outputs a caller keeps must not keep a deleted model's pool alive)
     cache.made_by_generate = cache.returned_by_generate = True
 
 
@@ -1358,6 +1364,7 @@ def _continued_in(returned: PagedCache | None, ran_on: PagedCache | None, out, c
     else:
         returned.held_tokens, returned.returned_len = ran_on.held_tokens, ran_on.logical_len
         returned.returned_rows = ran_on.batch_size if ran_on.is_initialized else 0
+        returned._hold_pool_weakly(ran_on.pool)  # (the pool of the model that ran this turn, still live)
     if isinstance(getattr(out, cache_kwarg, None), Cache):
         setattr(out, cache_kwarg, returned)
     return out
@@ -1831,7 +1838,8 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
             input_ids = None
     else:
         input_ids = attention_mask = None
-    plain = not _skips_prefix_cache(pool, model, kwargs, config, rope_by_length, embeds_token_types)
+    by_row = peft_adapters_by_row(model, kwargs) is not None
+    plain = not _skips_prefix_cache(pool, model, kwargs, config, rope_by_length, embeds_token_types, by_row)
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place); a
     # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
@@ -1839,15 +1847,16 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
     cache.verifies_candidates = _candidate_decoding(kwargs, config)
-    cache.prefill_as_fed = peft_adapters_by_row(model, kwargs) is not None
+    cache.rows_as_fed = by_row
     cache.made_by_generate = True
     return cache
 
 
 def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_length: bool,
-                        embeds_token_types: bool = True) -> bool:
+                        embeds_token_types: bool = True, by_row: bool | None = None) -> bool:
     """Whether a ``generate()`` call can neither build on cached prefixes nor leave its own for later calls. A
-    cache of the caller's that the prefix cache pre-filled starts empty in such a call."""
+    cache of the caller's that the prefix cache pre-filled starts empty in such a call. ``by_row``: the call's
+    :func:`peft_adapters_by_row` found something, where the caller knows already."""
     # Candidate generation (prompt lookup, assistant models) crops and re-verifies tokens; outputs of every
     # prompt position (hidden states, attentions) need the whole prompt computed.
     candidates = _candidate_decoding(kwargs, config)
@@ -1859,7 +1868,7 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
         embeds_token_types and any(kwargs.get(name) is not None for name in _TOKEN_TYPES))
     # peft's per-call adapter_names choose each row's LoRA adapter, and an activated LoRA adapts the tokens after
     # the last invocation sequence of each call's prompt: K/V the prefix cache, keyed by token ids, does not see
-    adapters = peft_adapters_by_row(model, kwargs) is not None
+    adapters = peft_adapters_by_row(model, kwargs) is not None if by_row is None else by_row
     # K/V computed under autocast are rounded to its dtype; with a RoPE whose frequencies depend on the longest
     # position of the forward (dynamic NTK, longrope), a cached prefix was rotated for a shorter forward than the
     # one stock runs over the whole prompt

@@ -137,8 +137,12 @@ def _plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
     them (``__tensor_flatten__``: torchao's quantized weights, say, whose values have no byte view)."""
     flatten = getattr(t, "__tensor_flatten__", None)
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and callable(flatten):
-        names = flatten()[0]
-        return [part for name in names for part in _plain_parts(getattr(t, name))]
+        names, context = flatten()
+        parts = [part for name in names for part in _plain_parts(getattr(t, name))]
+        text = repr(context)  # (block sizes, dtypes: part of the values; not where it names an object's address)
+        if " at 0x" not in text:
+            parts.append(torch.frombuffer(bytearray(f"{type(t).__name__}|{text}".encode()), dtype=torch.uint8))
+        return parts
     if t.is_quantized:
         if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
             params = [torch.tensor([t.q_scale()], dtype=torch.float64), torch.tensor([t.q_zero_point()])]

@@ -402,13 +402,15 @@ def _lora(model):
     return peft.get_peft_model(model, config).eval()
 
 
+@pytest.mark.parametrize("how", ["own cache", "a PagedCache of the caller's", "decode graphs (CPU stand-in)"])
 @pytest.mark.parametrize("adapters", ["activated LoRA", "adapter_names per row"])
 @pytest.mark.parametrize("patched_first", [False, True], ids=["peft model patched", "base model patched, then peft"])
-def test_peft_adapters_acting_per_row_or_position_give_stocks_tokens(adapters, patched_first):
+def test_peft_adapters_acting_per_row_or_position_give_stocks_tokens(adapters, patched_first, how):
     # an activated LoRA adapts the tokens after the prompt's last invocation sequence: a prompt that moves it had
     # been served the adapted K/V of an earlier prompt's prefix (scores 2.6 off). Under a base model patched
-    # before peft wrapped it, its prefill was packed into one row, where peft's per-row arguments fail (IndexError
-    # for aLoRA, ValueError for adapter_names)
+    # before peft wrapped it, its prefill was packed into one row, and its decode steps padded to a graph bucket,
+    # where peft's per-row arguments fail (IndexError for aLoRA, ValueError for adapter_names). A turn given the
+    # returned cache had computed the earlier tokens again under this call's adapters: it runs as a call without it
     peft = pytest.importorskip("peft")
     invocation = [7, 8, 9]
     lora = dict(task_type="CAUSAL_LM", r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj"],
@@ -429,25 +431,55 @@ def test_peft_adapters_acting_per_row_or_position_give_stocks_tokens(adapters, p
     inv = torch.tensor([invocation])
     first, moved = torch.cat([x, inv, y], 1), torch.cat([x, inv, y, inv, w], 1)
     short = torch.cat([torch.zeros(1, 5, dtype=torch.long), x[:, :5], inv, w], 1)
-    batch = torch.cat([first[:, :short.shape[1]], short])  # (left-padded)
-    per_row = {"adapter_names": ["x", "y"]} if adapters == "adapter_names per row" else {}
+    batch = torch.cat([first[:, :short.shape[1]], short, first[:, -short.shape[1]:]])  # (3 rows: a bucket of 4)
+    per_row = {"adapter_names": ["x", "y", "x"]} if adapters == "adapter_names per row" else {}
     calls = [(first, {}), (moved, {}), (batch, per_row), (moved, {})]
     kw = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    name = astrai_hf.cache_kwarg(base)
 
-    def run(m):
-        return [m.generate(input_ids=ids, attention_mask=(ids != 0).long(), **kw, **more) for ids, more in calls]
+    def next_turn(out, edit=False):
+        seq = torch.cat([out.sequences, torch.full((out.sequences.shape[0], 2), 11)], 1)
+        if edit:  # an answer token tokenized otherwise on the next turn (the earlier tokens are computed again)
+            seq[:, -4] = (seq[:, -4] + 1) % 96
+        return seq, (seq != 0).long()
+
+    def run(m, cache=lambda: None):
+        outs = []
+        for ids, more in calls:
+            with contextlib.ExitStack() as stack:
+                mine = cache()
+                given = {} if mine is None else {name: stack.enter_context(mine)}
+                outs.append(m.generate(input_ids=ids, attention_mask=(ids != 0).long(), **kw, **more, **given))
+                if mine is not None and ids is batch:  # the caller's cache continued: stock's does as well
+                    seq, mask = next_turn(outs[-1])
+                    outs.append(m.generate(input_ids=seq, attention_mask=mask, **kw, **more, **given))
+        return outs
 
     ref = run(stock)
+    ref.insert(3, stock.generate(input_ids=next_turn(ref[2])[0], attention_mask=next_turn(ref[2])[1], **kw, **per_row,
+                                 **{name: getattr(ref[2], name)}))
+    fresh = stock.generate(input_ids=next_turn(ref[2], True)[0], attention_mask=next_turn(ref[2], True)[1], **kw,
+                           **per_row)
+    settings = dict(max_tokens=1024, page_size=4, cuda_graphs=how.startswith("decode graphs"))
     if patched_first:
-        astrai_hf.patch(base, max_tokens=1024, page_size=4)
+        astrai_hf.patch(base, **settings)
         model, patched = wrapped(base), base
     else:
         model = patched = wrapped(base)
-        astrai_hf.patch(model, max_tokens=1024, page_size=4)
+        astrai_hf.patch(model, **settings)
+    pool = astrai_hf.get_pool(patched)
     try:
-        for got, want in zip(run(model), ref, strict=True):
-            _assert_same_output(got, want)
-        assert _used(astrai_hf.get_pool(patched)) == 0
+        if how == "a PagedCache of the caller's":
+            got = run(model, cache=lambda: PagedCache(pool))
+        else:
+            got = run(model)
+            seq, mask = next_turn(got[2], edit=True)  # the returned cache passed on: as a call without it
+            _assert_same_output(model.generate(input_ids=seq, attention_mask=mask, **kw, **per_row,
+                                               **{name: getattr(got[2], name)}), fresh)
+            ref.pop(3)
+        for out, want in zip(got, ref, strict=True):
+            _assert_same_output(out, want)
+        assert _used(pool) == 0
     finally:
         astrai_hf.unpatch(patched)
 
@@ -1606,8 +1638,10 @@ def test_a_kept_output_lets_a_deleted_models_pool_go_and_its_cache_still_continu
     del model
     gc.collect()
     assert pool() is None
-    with pytest.raises(ReferenceError, match="PagePool is gone"):
+    with pytest.raises(AttributeError, match="PagePool is gone"):
         returned.pool
+    assert not hasattr(returned, "pool")
+    assert all(k.shape[0] == v.shape[0] == 0 for k, v, _ in returned)  # (its K/V, empty, as before)
     twin = copy.deepcopy(out)  # (a copy needs no pool)
     assert getattr(twin, name).get_seq_length() == returned.get_seq_length() == length
     other = tiny_model("llama")  # the same weights: stock's cache of the first model continues on it
@@ -1615,6 +1649,7 @@ def test_a_kept_output_lets_a_deleted_models_pool_go_and_its_cache_still_continu
         _assert_same_output(turn2(other, twin), ref)
         _assert_same_output(turn2(other, out), ref)
         assert _used(astrai_hf.get_pool(other)) == 0
+        assert returned.pool is astrai_hf.get_pool(other)  # (handed back by that call: its pool, held weakly)
 
 
 class _Int8Weight(torch.Tensor):
@@ -1642,6 +1677,8 @@ class _Int8Weight(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.ops.aten.detach.default:
             return cls(args[0].qdata, args[0].scale)
+        if func is torch.ops.aten.clone.default:  # (deepcopy)
+            return cls(args[0].qdata.clone(), args[0].scale.clone())
         if func in (torch.ops.aten.view.default, torch.ops.aten._to_copy.default):
             raise NotImplementedError(f"{cls.__name__} dispatch: {func} is not implemented")
         plain = [a.qdata.to(a.scale.dtype) * a.scale if isinstance(a, cls) else a for a in args]
@@ -1665,6 +1702,11 @@ def test_weights_of_a_tensor_subclass_without_a_byte_view_are_watched_through_th
     stock = copy.deepcopy(model)
     quantize(stock)
     ref = stock.generate(ids, **kw)
+    from astrai_hf.persist import weights_fingerprint
+
+    other = copy.deepcopy(stock)  # its int8 values differ in one place: so does its digest
+    other.model.layers[0].self_attn.k_proj.weight.qdata[0, 0] += 1
+    assert weights_fingerprint(stock) == weights_fingerprint(copy.deepcopy(stock)) != weights_fingerprint(other)
     if when == "before patch":
         quantize(model)
     with astrai_hf.patched(model, max_tokens=1024, page_size=4):

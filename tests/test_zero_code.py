@@ -204,6 +204,7 @@ def test_a_source_checkout_on_sys_path_without_an_install_finds_its_patches(tmp_
         sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
         sys.path += {site_packages!r}
         import torch, astrai_hf, astrai_hf.patches.autopatch
+        assert list(astrai_hf.__path__) == [{str(root / "astrai_hf")!r}], astrai_hf.__path__  # (no other folder)
         from tiny_models import tiny_model
         model = tiny_model("llama")
         with astrai_hf.patched(model, max_tokens=256):
