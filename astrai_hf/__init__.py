@@ -12,14 +12,16 @@ import sys
 
 def _bind_checkout_patches() -> None:
     """A source checkout put on sys.path without installing it: the per-family patches live in ``patches/`` beside
-    this package, which an install ships inside it as ``astrai_hf.patches`` (pyproject.toml's package-dir). Where
-    no finder knows ``astrai_hf.patches`` (an editable install's does), bind that folder under the name."""
+    this package, which an install ships inside it as ``astrai_hf.patches`` (pyproject.toml's package-dir). Bind
+    that folder under the name, unless a finder maps the name to it already (an editable install of this
+    checkout; one of another checkout would mix two versions)."""
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "patches")
     init = os.path.join(folder, "__init__.py")
     if "astrai_hf.patches" in sys.modules or not os.path.isfile(os.path.join(folder, "autopatch.py")):
         return
-    if importlib.util.find_spec("astrai_hf.patches") is not None:
-        return
+    found = importlib.util.find_spec("astrai_hf.patches")
+    if found is not None and found.origin and os.path.samefile(found.origin, init):
+        return  # (an editable install of this checkout)
     spec = importlib.util.spec_from_file_location("astrai_hf.patches", init, submodule_search_locations=[folder])
     module = importlib.util.module_from_spec(spec)
     sys.modules["astrai_hf.patches"] = module

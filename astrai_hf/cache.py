@@ -280,11 +280,9 @@ class PagedCache(Cache):
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt; an activated LoRA adapts the
-            # tokens after the prompt's last invocation sequence, a position each prompt sets anew. (A patched
-            # model's generate() has looked at its modules for this call already: its config is enough here.)
-            unpatched = target is not None and PATCH_STATE_ATTR not in vars(target)
-            rope = rope_depends_on_length(target if unpatched else getattr(target, "config", None))
-            if rope or pool.rope_by_length or (unpatched and peft_adapters_by_row(target) is not None):
+            # tokens after the prompt's last invocation sequence, a position each prompt sets anew.
+            if rope_depends_on_length(target) or pool.rope_by_length or (
+                    target is not None and peft_adapters_by_row(target) is not None):
                 prefix_cache = self._rows.insert_on_release = self._wants_prefix_cache = False
             elif ids_outside_vocabulary(target, input_ids):
                 prefix_cache = self._rows.insert_on_release = False

@@ -944,14 +944,21 @@ def _wrap_forward(owner, forward, state: PatchState):
         if not cache.made_by_generate and kwargs.get("position_ids") is not None:
             cache._note_positions(kwargs["position_ids"], step, B, q)  # (older releases pass layers no positions)
         cache._pending_q = q  # the model may ask get_seq_length() before any layer stores this step
+        # peft adapters acting per row: generate() says so for its call; a loop of the caller's passes peft's per-row
+        # arguments (a patched peft model), or peft hands them its LoRA layers (a base model patched first: looked
+        # for at multi-token steps, a prefill, and kept for the loop's cache)
+        as_fed = cache.rows_as_fed or (own_loop and (any(kwargs.get(n) is not None for n in _PEFT_PER_CALL_ROWS)
+                                                     or (q > 1 and peft_adapters_by_row(model) is not None)))
+        if as_fed and own_loop:
+            cache.rows_as_fed = True  # (the loop's decode steps, one token per row, are not looked at again)
         try:
             with paged_attention_on(state, step, cache.pool):
-                if state.cuda_graphs and not args and not cache.rows_as_fed:  # (a bucket pads the rows)
+                if state.cuda_graphs and not args and not as_fed:  # (a bucket pads the rows)
                     runner = _runner(model, state, cache.pool)
                     if runner.can_run(step, kwargs, input_ids):
                         return runner.run(cache, step, kwargs, input_ids, state)
-                chunk_tokens = None if state.rope_by_length or cache.rows_as_fed else state.prefill_chunk_tokens
-                if state.packable and not args and not cache.rows_as_fed and packing.wants_packing(
+                chunk_tokens = None if state.rope_by_length or as_fed else state.prefill_chunk_tokens
+                if state.packable and not args and not as_fed and packing.wants_packing(
                     model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=chunk_tokens,
                 ):
                     return packing.packed_forward(forward, kwargs, cache, state, step, input_ids, chunk_tokens)
@@ -1182,7 +1189,15 @@ def _wrap_generate(owner, generate, state: PatchState):
                 # computed again under this call's per-row adapters (or its aLoRA offsets) are not: the call
                 # runs as without the cache (README, Prefix cache)
                 logger.debug("peft adapters per row or position: the returned cache's tokens are not reused")
-                return _generate_with(model, None, args, kwargs, config, passed, returned)
+                out = _generate_with(model, None, args, kwargs, config, passed, returned)
+                from transformers import Cache
+
+                ran = getattr(out, state.cache_kwarg, None)
+                if isinstance(ran, Cache) and ran is not returned:
+                    # a call that ran stock (a hole in the mask): its cache holds the K/V later turns continue
+                    returned.stock_cache = ran
+                    return _continued_in(returned, None, out, state.cache_kwarg)
+                return out
             holes = _mask_with_holes(args, kwargs, config)
             if holes is not None:
                 # stock continues its cache, whose K/V attended the pad token an earlier call emitted, and masks it
@@ -1777,13 +1792,23 @@ def peft_adapters_by_row(model, kwargs: dict | None = None) -> str | None:
     if kwargs is not None and kwargs.get("adapter_names") is not None:
         return "adapter_names= chooses an adapter per row"
     for module in model.modules():
+        found = vars(module)
         # a base model generating inside a peft model's generate(): peft hands its LoRA layers the call's
         # adapter_names / alora_offsets through forward pre-hooks for the call
-        for hook in vars(module).get("_forward_pre_hooks", {}).values():
+        for hook in found.get("_forward_pre_hooks", {}).values():
             given = getattr(hook, "keywords", None) or {}  # (functools.partial)
             for name in _PEFT_PER_CALL_ROWS:
                 if given.get(name) is not None:
                     return f"peft passes its LoRA layers {name} for this call"
+        # a LoRA layer whose active adapter is an activated LoRA (seen from the base model too, which knows no
+        # peft config)
+        variants = found.get("lora_variant")
+        if variants and not found.get("_disable_adapters", False):
+            active = found.get("_active_adapter")
+            for name in [active] if isinstance(active, str) else active or ():
+                variant = variants.get(name)
+                if (variant if isinstance(variant, type) else type(variant)).__name__.startswith("ALora"):
+                    return f"adapter {name!r} is an activated LoRA (alora_invocation_tokens)"
     for owner in _peft_owners(model):
         configs = getattr(owner, "peft_config", None) if owner is not None else None
         if not isinstance(configs, dict):

@@ -512,3 +512,91 @@ def test_layer_methods_a_paged_cache_does_not_have_say_what_to_call_instead():
         assert not hasattr(layer, "is_sliding") and getattr(layer, "max_cache_len", None) is None
         assert cache.get_seq_length() == 6
     assert pool.stats()["num_used_pages"] == 0
+
+
+def _peft_wrapped(base, adapters: str):
+    """``base`` under peft LoRA adapters acting per row (``adapter_names``, two adapters) or per position (an
+    activated LoRA with invocation tokens 7, 8, 9)."""
+    peft = pytest.importorskip("peft")
+    lora = dict(task_type="CAUSAL_LM", r=8, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj"],
+                init_lora_weights=False)
+    torch.manual_seed(3)
+    if adapters == "activated LoRA":
+        return peft.get_peft_model(base, peft.LoraConfig(**lora, alora_invocation_tokens=[7, 8, 9])).eval()
+    m = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="x")
+    m.add_adapter("y", peft.LoraConfig(**lora))
+    return m.eval()
+
+
+def _patched_peft(base, adapters: str, patched_first: bool, **settings):
+    """(peft model, the model patch() was given): the base model patched before peft wraps it, or the peft model."""
+    if patched_first:
+        astrai_hf.patch(base, **settings)
+        return _peft_wrapped(base, adapters), base
+    model = _peft_wrapped(base, adapters)
+    astrai_hf.patch(model, **settings)
+    return model, model
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode graphs (CPU stand-in)"])
+@pytest.mark.parametrize("patched_first", [False, True], ids=["peft model patched", "base model patched, then peft"])
+def test_a_loop_of_ones_own_with_peft_adapter_names_per_row_runs_its_rows_as_fed(patched_first, graphs):
+    # peft's per-row adapter_names name 3 rows: a prefill packed into one row, or a decode step padded to a graph
+    # bucket of 4, had made peft raise ValueError ("got 3 and 1", "got 3 and 4")
+    base = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 7, 9], seed=2)
+    names = ["x", "y", "x"]
+
+    def loop(m, cache):
+        positions, am, x, logits = (mask.cumsum(-1) - 1).clamp(min=0), mask, ids, []
+        with torch.no_grad():
+            for _ in range(4):
+                out = m(input_ids=x, attention_mask=am, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        adapter_names=names, **{astrai_hf.cache_kwarg(base): cache})
+                logits.append(out.logits[:, -1])
+                x = out.logits[:, -1].argmax(-1, keepdim=True)
+                am, positions = torch.cat([am, torch.ones(3, 1, dtype=am.dtype)], 1), positions[:, -1:] + 1
+        return logits
+
+    ref = loop(_peft_wrapped(copy.deepcopy(base), "adapter_names"), DynamicCache())
+    model, patched = _patched_peft(base, "adapter_names", patched_first, max_tokens=1024, page_size=4,
+                                   cuda_graphs=graphs)
+    try:
+        pool = astrai_hf.get_pool(patched)
+        with PagedCache(pool, prefix_cache=False) as cache:
+            got = loop(model, cache)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert pool.stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(patched)
+
+
+@pytest.mark.parametrize("told", ["the patched model", "the peft model"])
+@pytest.mark.parametrize("patched_first", [False, True], ids=["peft model patched", "base model patched, then peft"])
+def test_a_cache_built_for_an_activated_lora_is_not_pre_filled_from_the_prefix_cache(patched_first, told):
+    # an activated LoRA adapts the tokens after each prompt's last invocation sequence: a cache built with the
+    # prompt had been pre-filled with a prefix adapted for another prompt (scores 1.12 off) where it was told the
+    # base model patched before peft wrapped it (that model knows no peft config)
+    base = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    x, y, z, w = (torch.randint(10, 96, (1, n), generator=g) for n in (8, 8, 4, 3))
+    invocation = torch.tensor([[7, 8, 9]])
+    first, second = torch.cat([x, invocation, y], 1), torch.cat([x, invocation, y, z, invocation, w], 1)
+    with torch.no_grad():
+        ref = _peft_wrapped(copy.deepcopy(base), "activated LoRA")(input_ids=second).logits[:, -1]
+    model, patched = _patched_peft(base, "activated LoRA", patched_first, max_tokens=1024, page_size=4)
+    target = patched if told == "the patched model" else model
+    pool = astrai_hf.get_pool(patched)
+    name = astrai_hf.cache_kwarg(base)
+    try:
+        with torch.no_grad():
+            with PagedCache(pool, first, torch.ones_like(first), model=target) as cache:
+                model(input_ids=first, use_cache=True, **{name: cache})
+            with PagedCache(pool, second, torch.ones_like(second), model=target) as cache:
+                assert cache.get_seq_length() == 0
+                got = model(input_ids=second, use_cache=True, **{name: cache}).logits[:, -1]
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        assert pool.stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(patched)

@@ -193,15 +193,22 @@ class _nothing:
         return False
 
 
-def test_a_source_checkout_on_sys_path_without_an_install_finds_its_patches(tmp_path):
+@pytest.mark.parametrize("site", [False, True], ids=["no install", "beside an install of another checkout"])
+def test_a_source_checkout_on_sys_path_finds_its_own_patches(tmp_path, site):
     # patches/ ships inside the package as astrai_hf.patches only in an install (pyproject.toml's package-dir);
-    # the checkout put on sys.path had failed patch() with "cannot import name 'patches'". -S: no site .pth files,
-    # so no editable install finds it either
-    root = Path(astrai_hf.__file__).resolve().parent.parent
+    # the checkout put on sys.path had failed patch() with "cannot import name 'patches'" (-S: no site .pth files,
+    # no install finds it). Beside an editable install of another checkout, that one's patches must not be mixed in
+    import shutil
+
+    here = Path(astrai_hf.__file__).resolve().parent.parent
+    root = tmp_path / "checkout"
+    for name in ("astrai_hf", "patches"):
+        shutil.copytree(here / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(here / "pyproject.toml", root)
     site_packages = [p for p in sys.path if p.endswith("site-packages")]
     code = textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
+        sys.path[:0] = [{str(root)!r}, {str(here / "tests")!r}]
         sys.path += {site_packages!r}
         import torch, astrai_hf, astrai_hf.patches.autopatch
         assert list(astrai_hf.__path__) == [{str(root / "astrai_hf")!r}], astrai_hf.__path__  # (no other folder)
@@ -210,8 +217,8 @@ def test_a_source_checkout_on_sys_path_without_an_install_finds_its_patches(tmp_
         with astrai_hf.patched(model, max_tokens=256):
             print(astrai_hf.patches.__file__, model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2).tolist())
         """)
-    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    done = subprocess.run([sys.executable, *([] if site else ["-S"]), "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     path, tokens = done.stdout.split(" ", 1)
     assert Path(path) == root / "patches" / "__init__.py" and len(json.loads(tokens)[0]) == 5
