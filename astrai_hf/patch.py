@@ -1184,12 +1184,13 @@ def _wrap_generate(owner, generate, state: PatchState):
             if returned.stock_cache is not None:  # continued stock once (below): stock's cache, continued again
                 out = generate(*args, **{**kwargs, state.cache_kwarg: returned.stock_cache})
                 return _continued_in(returned, None, out, state.cache_kwarg)
-            if peft_adapters_by_row(model, kwargs) is not None:
+            by_row = peft_adapters_by_row(model, kwargs) is not None
+            if by_row:
                 # stock's cache holds the earlier tokens' K/V under the earlier call's adapters, which the tokens
                 # computed again under this call's per-row adapters (or its aLoRA offsets) are not: the call
                 # runs as without the cache (README, Prefix cache)
                 logger.debug("peft adapters per row or position: the returned cache's tokens are not reused")
-                out = _generate_with(model, None, args, kwargs, config, passed, returned)
+                out = _generate_with(model, None, args, kwargs, config, passed, returned, by_row)
                 from transformers import Cache
 
                 ran = getattr(out, state.cache_kwarg, None)
@@ -1212,16 +1213,19 @@ def _wrap_generate(owner, generate, state: PatchState):
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
             width = _columns_after_held(held, args, kwargs, config, returned.returned_len)
-            out = _generate_with(model, given, args, kwargs, config, passed, returned)
+            out = _generate_with(model, given, args, kwargs, config, passed, returned, by_row)
             # (stock computes only the columns after its cache's: so many per-position outputs)
             return out if width is None else _first_step_outputs_cut(out, width)
         return _generate_with(model, given, args, kwargs, config, passed)
 
     # (not a part of _paged_generate calling it again: a closure calling itself is a reference cycle, which would
     # keep this state, and the pool's K/V memory, alive until the garbage collector runs)
-    def _generate_with(model, given, args, kwargs, config, passed, returned=None):
+    def _generate_with(model, given, args, kwargs, config, passed, returned=None, by_row=None):
+        # (by_row: the call's peft_adapters_by_row found something, where the caller looked already: one walk)
+        if by_row is None and isinstance(given, PagedCache):
+            by_row = peft_adapters_by_row(model, kwargs) is not None
         if isinstance(given, PagedCache) and (_own_attention(state) is not None or _skips_prefix_cache(
-                given.pool, model, kwargs, config, state.rope_by_length, state.embeds_token_types)):
+                given.pool, model, kwargs, config, state.rope_by_length, state.embeds_token_types, by_row)):
             # a call that cannot build on cached prefixes (candidate decoding crops and re-verifies from the prompt
             # on, outputs of every prompt position, an older release's chunked prefill, dropout, ...), or whose
             # attention is of the caller's own: a cache of the caller's that the prefix cache pre-filled starts
@@ -1231,7 +1235,7 @@ def _wrap_generate(owner, generate, state: PatchState):
         elif isinstance(given, PagedCache):
             given.rejoin_prefix_cache()  # (emptied since a call that left it)
         if isinstance(given, PagedCache):
-            given.rows_as_fed = peft_adapters_by_row(model, kwargs) is not None
+            given.rows_as_fed = by_row
             _check_callers_cache(given, args, kwargs, config)
             if given.prefilled_from_prefix_cache:
                 forget_rope_deltas(model)
@@ -1271,12 +1275,12 @@ def _wrap_generate(owner, generate, state: PatchState):
             logger.debug("ignoring generation_config.cache_implementation=%r: generating with a PagedCache", default)
             model.generation_config.cache_implementation = None
             try:
-                return _run_paged(model, args, kwargs, config, returned)
+                return _run_paged(model, args, kwargs, config, returned, by_row)
             finally:
                 model.generation_config.cache_implementation = default
-        return _run_paged(model, args, kwargs, config, returned)
+        return _run_paged(model, args, kwargs, config, returned, by_row)
 
-    def _run_paged(model, args, kwargs, config, returned=None):
+    def _run_paged(model, args, kwargs, config, returned=None, by_row=None):
         _sync_modules(model, state)
         if (state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs)
                 and not state.pool.fits_placement(state.modules)):
@@ -1285,7 +1289,8 @@ def _wrap_generate(owner, generate, state: PatchState):
         try:
             # the cache checks the pool against the model before it looks the prompt up (another model's K/V, or
             # weights changed in place: no stale prefix hits), else the first forward does
-            cache = _cache_for(pool, model, args, kwargs, config, state.rope_by_length, state.embeds_token_types)
+            cache = _cache_for(pool, model, args, kwargs, config, state.rope_by_length, state.embeds_token_types,
+                               by_row)
         except Exception as e:
             failed = e
         try:
@@ -1360,9 +1365,15 @@ def _release_as_returned(cache: PagedCache) -> None:
     """Release the cache a patched ``generate()`` ran on, keeping what a later call given it (or its row and crop
     operations) needs of stock's returned cache: its columns and rows (the tokens, see :func:`_note_held_tokens`,
     are kept already)."""
-    cache.returned_len, cache.returned_rows = cache.logical_len, cache.batch_size if cache.is_initialized else 0
+    cache.returned_len, cache.returned_rows = _columns_and_rows(cache)
     cache._hold_pool_weakly()  # (released: outputs a caller keeps must not keep a deleted model's pool alive)
     cache.made_by_generate = cache.returned_by_generate = True
+
+
+def _columns_and_rows(cache: PagedCache) -> tuple[int, int]:
+    """The columns and rows a cache a patched ``generate()`` ran on holds as that call returns (those of stock's
+    returned cache)."""
+    return cache.logical_len, len(cache._rows.req_rows)
 
 
 def _continued_in(returned: PagedCache | None, ran_on: PagedCache | None, out, cache_kwarg: str):
@@ -1377,8 +1388,8 @@ def _continued_in(returned: PagedCache | None, ran_on: PagedCache | None, out, c
     if ran_on is None:
         returned.held_tokens, returned.returned_len, returned.returned_rows = None, 0, 0
     else:
-        returned.held_tokens, returned.returned_len = ran_on.held_tokens, ran_on.logical_len
-        returned.returned_rows = ran_on.batch_size if ran_on.is_initialized else 0
+        returned.held_tokens = ran_on.held_tokens
+        returned.returned_len, returned.returned_rows = _columns_and_rows(ran_on)
         returned._hold_pool_weakly(ran_on.pool)  # (the pool of the model that ran this turn, still live)
     if isinstance(getattr(out, cache_kwarg, None), Cache):
         setattr(out, cache_kwarg, returned)
@@ -1834,9 +1845,9 @@ def _cache_implementation(kwargs: dict, passed, default) -> str | None:
 
 
 def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by_length: bool = False,
-               embeds_token_types: bool = True) -> PagedCache:
+               embeds_token_types: bool = True, by_row: bool | None = None) -> PagedCache:
     """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
-    found."""
+    found (``by_row``: as for :func:`_skips_prefix_cache`)."""
     input_ids = _call_input_ids(args, kwargs)
     attention_mask = kwargs.get("attention_mask")
     new_tokens = 0
@@ -1863,7 +1874,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
             input_ids = None
     else:
         input_ids = attention_mask = None
-    by_row = peft_adapters_by_row(model, kwargs) is not None
+    by_row = peft_adapters_by_row(model, kwargs) is not None if by_row is None else by_row
     plain = not _skips_prefix_cache(pool, model, kwargs, config, rope_by_length, embeds_token_types, by_row)
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place); a
     # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
