@@ -12,7 +12,6 @@ from transformers import Cache
 from .config import as_count, as_flag, as_int, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
-from .interrupts import interrupts_deferred
 from .metadata import StepMetadata, rect_slots
 from .pool import PagePool
 from .storage import gather_kv
@@ -55,7 +54,7 @@ class _Rows:
         pool = self.pool
         if pool is None:  # (the rows of a returned cache, which hold nothing and let their pool go)
             return
-        with interrupts_deferred():
+        with pool.books():
             try:
                 # rows written before the prefix cache was last cleared (the pool bound to another model, or the
                 # weights changed) hold K/V no later prompt may reuse
@@ -459,24 +458,25 @@ class PagedCache(Cache):
         then copied (copy-on-write).
         """
         pool, ps = self.pool, self.pool.page_size
-        hits = [pool.prefix_cache.match(ids) for ids in self._prompt_ids]
-        logical = min(min(p + n for p, (_, n) in zip(pads, hits)), width - 1)
-        use = [max(0, logical - p) for p in pads]
-        pool.counters["prefix_query_tokens"] += sum(len(ids) for ids in self._prompt_ids)
-        self.prefix_hit_tokens = use
-        logger.debug("prefix cache: %d rows, reusing %s tokens (cached prefixes %s)", len(pads), use,
-                     [n for _, n in hits])
-        if not any(use):
-            return
-        shared = [list(pages[: -(-u // ps)]) for (pages, _), u in zip(hits, use)]
         rows = self._rows
-        with interrupts_deferred():
+        with pool.books():  # (another thread's allocation must not evict the matched pages before they are held)
+            pool.make_room_for_rows(len(pads))  # (before the match: a garbage cache released adds to the prefixes)
+            hits = [pool.prefix_cache.match(ids) for ids in self._prompt_ids]
+            logical = min(min(p + n for p, (_, n) in zip(pads, hits)), width - 1)
+            use = [max(0, logical - p) for p in pads]
+            pool.counters["prefix_query_tokens"] += sum(len(ids) for ids in self._prompt_ids)
+            self.prefix_hit_tokens = use
+            logger.debug("prefix cache: %d rows, reusing %s tokens (cached prefixes %s)", len(pads), use,
+                         [n for _, n in hits])
+            if not any(use):
+                return
+            shared = [list(pages[: -(-u // ps)]) for (pages, _), u in zip(hits, use)]
             req_rows = pool.req_to_token.alloc(len(pads))
             pool.allocator.incref([p for pages in shared for p in pages])  # locked before this call allocates
             rows.req_rows, rows.pages, rows.known = req_rows, shared, list(use)
             rows.epoch = pool.prefix_cache.epoch
             rows.reserved = [[] for _ in req_rows]
-        pool.counters["prefix_hit_tokens"] += sum(use)
+            pool.counters["prefix_hit_tokens"] += sum(use)
         self._hit_model_key = pool.held_model_key() if self.checked_model is not None else None
         w_rows, w_cols, w_slots, w_ids = [], [], [], []
         for r, u in enumerate(use):
@@ -560,7 +560,7 @@ class PagedCache(Cache):
                 )
             self._rows.reusable = False
         step, failed = None, None
-        with interrupts_deferred():
+        with self.pool.books():
             try:
                 step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged)
             except BaseException as e:  # an interrupt too: pages taken for this step are in no row yet
@@ -729,6 +729,7 @@ class PagedCache(Cache):
                     f"row {r} would hold {s} tokens, more than the pool's max_seq_len={pool.max_seq_len}{hint}"
                 )
         if not rows.req_rows:
+            pool.make_room_for_rows(Bp)
             rows.req_rows = pool.req_to_token.alloc(Bp)
             rows.epoch = pool.prefix_cache.epoch if pool.prefix_cache is not None else None
             rows.pages = [[] for _ in range(Bp)]
@@ -1014,8 +1015,10 @@ class PagedCache(Cache):
         if step.paged:
             return key_states, value_states
         width = step.logical_len
-        keys = gather_kv(storage.k[layer_idx], view.rect_slots, B, width)
-        values = gather_kv(storage.v[layer_idx], view.rect_slots, B, width)
+        # contiguous, as DynamicCache's torch.cat gives them: attention written by hand (GPT-NeoX-Japanese, models
+        # patch() refuses) may .view() them
+        keys = gather_kv(storage.k[layer_idx], view.rect_slots, B, width).contiguous()
+        values = gather_kv(storage.v[layer_idx], view.rect_slots, B, width).contiguous()
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             # The pool is outside autograd: this step's columns are handed back as the live tensors, so gradients
             # reach this step's K/V as with a DynamicCache (K/V stored by earlier forwards are constants).
@@ -1281,7 +1284,7 @@ class PagedCache(Cache):
                     self.prefix_hit_tokens = [self.prefix_hit_tokens[i] for i in idx]
         if n_old == 0:
             return
-        with interrupts_deferred():
+        with self.pool.books():
             try:
                 self._reassign_rows(idx)
             except BaseException:  # no request rows for the new ones (CacheFullError): the cache is left as it was
@@ -1291,6 +1294,7 @@ class PagedCache(Cache):
     def _reassign_rows(self, idx: list[int]) -> None:
         rows, pool = self._rows, self.pool
         n_old = len(rows.req_rows)
+        pool.make_room_for_rows(len(idx) - n_old)
         rows.drop_reserved()
         old_rows = rows.req_rows
         try:
@@ -1344,7 +1348,7 @@ class PagedCache(Cache):
         self._step, self._pending_known = None, None
         keep = max(keep, 0)
         self.logical_len = keep
-        with interrupts_deferred():
+        with self.pool.books():
             self._drop_columns(keep)
 
     def _drop_columns(self, keep: int) -> None:
@@ -1448,15 +1452,17 @@ class PagedCache(Cache):
         twin._prompt_width = self._prompt_width
         rows, pool = self._rows, self.pool
         if rows.req_rows:
-            new_rows = pool.req_to_token.alloc(len(rows.req_rows))
-            pool.req_to_token.copy_rows(rows.req_rows, new_rows, max(max(self.seq_lens, default=0), 1))
-            twin._rows.req_rows, twin._rows.epoch = new_rows, rows.epoch
-            twin._rows.pages = [list(pages) for pages in rows.pages]
-            for pages in twin._rows.pages:
-                pool.allocator.incref(pages)
-            twin._rows.known = list(rows.known)
-            twin._rows.reusable = rows.reusable
-            twin._rows.reserved = [[] for _ in new_rows]
+            with pool.books():
+                pool.make_room_for_rows(len(rows.req_rows))
+                new_rows = pool.req_to_token.alloc(len(rows.req_rows))
+                pool.req_to_token.copy_rows(rows.req_rows, new_rows, max(max(self.seq_lens, default=0), 1))
+                twin._rows.req_rows, twin._rows.epoch = new_rows, rows.epoch
+                twin._rows.pages = [list(pages) for pages in rows.pages]
+                for pages in twin._rows.pages:
+                    pool.allocator.incref(pages)
+                twin._rows.known = list(rows.known)
+                twin._rows.reusable = rows.reusable
+                twin._rows.reserved = [[] for _ in new_rows]
         return twin
 
     def __copy__(self) -> "PagedCache":

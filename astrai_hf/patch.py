@@ -799,24 +799,40 @@ def _check_window_in_mask(model: torch.nn.Module, pool: PagePool) -> None:
 
 
 def _uses_attention_interface(cls: type) -> bool:
-    """Whether ``cls`` computes attention through transformers' AttentionInterface: the module of the first class
-    in its MRO that defines ``forward`` looks the function up there, or that ``forward`` calls
-    ``super().forward(...)`` (a subclass in a script of the caller's) and the next one does."""
+    """Whether ``cls`` computes attention through transformers' AttentionInterface: a method of the first class in
+    its MRO that defines ``forward`` looks the function up there, or that ``forward`` calls ``super().forward(...)``
+    (a subclass in a script or notebook of the caller's) and the next one does.
+
+    The class's own methods are read, not its file: a file can hold an attention that looks the function up beside
+    one that computes attention by hand (GIT's vision attention and its text self-attention)."""
     for klass in cls.__mro__:
         forward = vars(klass).get("forward")
         if forward is None:
             continue
         if klass is torch.nn.Module:
             return False
-        module = sys.modules.get(klass.__module__)
+        if "ALL_ATTENTION_FUNCTIONS.get_interface(" in _method_sources(klass):
+            return True
         try:
-            if "ALL_ATTENTION_FUNCTIONS.get_interface(" in (inspect.getsource(module) if module is not None else ""):
-                return True
             if "super().forward(" not in inspect.getsource(forward):
                 return False
         except (OSError, TypeError):
             return False
     return False
+
+
+def _method_sources(klass: type) -> str:
+    """The source of the functions ``klass`` defines itself (static and class methods included), those whose
+    source can be read."""
+    sources = []
+    for value in vars(klass).values():
+        fn = getattr(value, "__func__", value)
+        if inspect.isfunction(fn):
+            try:
+                sources.append(inspect.getsource(fn))
+            except (OSError, TypeError):
+                pass
+    return "\n".join(sources)
 
 
 def _wants_graphs(model, cuda_graphs: bool | None) -> bool:
@@ -1540,16 +1556,17 @@ def _check_attention_modules(model, modules: list, when: str = "") -> None:
     """Raise NotImplementedError when paged attention cannot stand in for ``modules`` (``model``'s attention
     modules): one computes attention without transformers' AttentionInterface, or :func:`unsupported_feature`
     names a reason."""
-    for cls in {type(m) for m in modules}:
+    # (the model's feature first: a hybrid's linear-attention layers compute attention by hand too)
+    reason = unsupported_feature(model, modules) or _dynamically_quantized(model)
+    if reason is not None:
+        raise NotImplementedError(f"{type(model).__name__}{when}: {reason}; astrai-hf cannot patch it (stock "
+                                  "generate() and an unpatched model are unaffected)")
+    for cls in sorted({type(m) for m in modules}, key=lambda c: c.__name__):
         if not _uses_attention_interface(cls):
             raise NotImplementedError(
                 f"{cls.__name__} computes attention without transformers' AttentionInterface, so paged attention "
                 f"cannot be routed into {type(model).__name__}{when}; use PagedCache without patch() instead"
             )
-    reason = unsupported_feature(model, modules) or _dynamically_quantized(model)
-    if reason is not None:
-        raise NotImplementedError(f"{type(model).__name__}{when}: {reason}; astrai-hf cannot patch it (stock "
-                                  "generate() and an unpatched model are unaffected)")
 
 
 _DYNAMIC_QUANTIZATION = ("torch.ao.nn.quantized.dynamic", "torch.nn.quantized.dynamic")

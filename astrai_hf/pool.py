@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import numbers
@@ -19,6 +20,7 @@ from .allocator import PageAllocator
 from .config import KVSpec, PagePoolConfig, as_count, as_flag, as_int, page_bytes_by_device, rope_depends_on_length
 from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
+from .interrupts import interrupts_deferred
 from .prefix_cache import PrefixCache
 from .req_to_token import ReqToTokenPool
 from .storage import TRASH_PAGE, KVStorage
@@ -140,12 +142,48 @@ class PagePool:
         self.counters = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         # calls of the models patched onto this pool, and patch() onto it, take turns (see patch._one_call)
         self.call_lock = threading.RLock()
+        # the books (allocator, request rows, prefix cache, reservations) change only under books(): caches of one
+        # pool plan, copy and release from several threads (an unpatched model's, a finaliser run by gc)
+        self.books_lock = threading.RLock()
         self._model_ref = None
         self._model_fingerprint: str | None = None
         self._weights_version: _WeightsVersion | None = None
         self._fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (version, digest)
         # the page holders of live caches that hold reserved pages (room for tokens not yet written)
         self._reservations: weakref.WeakSet = weakref.WeakSet()
+
+    @contextlib.contextmanager
+    def books(self) -> Iterator[None]:
+        """Hold the pool's books (page allocator, ``req_to_token`` rows, prefix cache, reservations) for a change
+        that must look atomic: other threads wait for the block (a reentrant lock: a finaliser that gc runs inside
+        it, in the same thread, goes ahead), and Ctrl-C waits until the books are consistent again
+        (:func:`~astrai_hf.interrupts.interrupts_deferred`)."""
+        with self.books_lock, interrupts_deferred():
+            yield
+
+    def release_garbage_caches(self) -> bool:
+        """Run the garbage collector, so that caches nobody can reach any more but a reference cycle keeps (an
+        exception kept in a local, a cache in a notebook's dropped objects) give back their pages and request rows
+        before an allocation gives up. Called only when the pool is short, before ``CacheFullError``.
+
+        Returns:
+            whether free pages or free request rows grew.
+        """
+        before = (self.allocator.num_free, self.req_to_token.num_free,
+                  self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0)
+        gc.collect()
+        after = (self.allocator.num_free, self.req_to_token.num_free,
+                 self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0)
+        if after != before:
+            logger.debug("KV pool short: garbage collection released pages and rows (free pages, free rows, cached "
+                         "pages) %s -> %s", before, after)
+        return after != before
+
+    def make_room_for_rows(self, num: int) -> None:
+        """Before ``num`` request rows are taken: when fewer are free, release the caches that are garbage
+        (:meth:`release_garbage_caches`). The allocation itself raises ``CacheFullError`` if that is not enough."""
+        if num > self.req_to_token.num_free:
+            self.release_garbage_caches()
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs) -> "PagePool":
@@ -267,6 +305,10 @@ class PagePool:
               ``kv_bytes_total``. Under tensor parallelism these are this rank's bytes (its share of the heads).
             - ``page_size``, ``num_reqs_used`` (request rows held), ``max_reqs``.
         """
+        with self.books():  # (one moment's counts, which add up)
+            return self._stats()
+
+    def _stats(self) -> dict[str, int | dict[str, int]]:
         cached = self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0
         used = self.allocator.num_used - cached
         per_page = self.config.bytes_per_page
@@ -299,10 +341,20 @@ class PagePool:
             CacheFullError: even after evicting every cached-only page fewer than ``num_pages`` are free. Nothing
                 is evicted then, unless cached pages whose continuation a live cache holds (which eviction, taking
                 leaves, cannot free) were counted on: the exact count is taken only then, as it walks the tree.
+                Caches that are garbage but not yet collected are released first (:meth:`release_garbage_caches`).
         """
+        with self.books():
+            error = self._make_free(num_pages)
+            if error is not None and self.release_garbage_caches():
+                error = self._make_free(num_pages)
+            if error is not None:
+                raise error
+
+    def _make_free(self, num_pages: int) -> CacheFullError | None:
+        """:meth:`reserve`'s steps; the error to raise when they are not enough."""
         free = self.allocator.num_free
         if num_pages <= free:
-            return
+            return None
         if self._reservations:
             for holder in list(self._reservations):
                 holder.drop_reserved()
@@ -310,15 +362,16 @@ class PagePool:
                          num_pages, free, self.allocator.num_free - free)
             free = self.allocator.num_free
             if num_pages <= free:
-                return
+                return None
         cached = self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0  # >= what can be evicted
         if num_pages > free + cached:
-            raise CacheFullError(num_pages, free, self.prefix_cache.num_evictable if cached else 0)
+            return CacheFullError(num_pages, free, self.prefix_cache.num_evictable if cached else 0)
         logger.debug("KV pool pressure: %d pages wanted, %d free; evicting %d cached prefix pages",
-                    num_pages, free, num_pages - free)
+                     num_pages, free, num_pages - free)
         self.prefix_cache.evict(num_pages - free)
         if self.allocator.num_free < num_pages:
-            raise CacheFullError(num_pages, self.allocator.num_free, self.prefix_cache.num_evictable)
+            return CacheFullError(num_pages, self.allocator.num_free, self.prefix_cache.num_evictable)
+        return None
 
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the pages dropped from the index. The digests of the models' weights
@@ -332,7 +385,8 @@ class PagePool:
         return dropped
 
     def _drop_prefixes(self) -> int:
-        return self.prefix_cache.clear() if self.prefix_cache is not None else 0
+        with self.books():
+            return self.prefix_cache.clear() if self.prefix_cache is not None else 0
 
     # ------------------------------------------------------------------ the model the K/V belong to
     def bind_model(self, model: torch.nn.Module) -> None:
@@ -434,7 +488,8 @@ class PagePool:
         """
         from .persist import save_prefix_cache
 
-        return save_prefix_cache(self, path, model)
+        with self.books():
+            return save_prefix_cache(self, path, model)
 
     def load_prefix_cache(self, path: str | Path, model: torch.nn.Module | None = None) -> int:
         """Load pages written by :meth:`save_prefix_cache` into this pool's prefix cache.
@@ -452,7 +507,8 @@ class PagePool:
 
         loaded, failed = 0, None
         try:
-            loaded = load_prefix_cache(self, path, model)
+            with self.books():
+                loaded = load_prefix_cache(self, path, model)
         except Exception as e:
             failed = e
         agree(self.ranks, failed)

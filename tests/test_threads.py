@@ -1,0 +1,203 @@
+"""One pool from several threads, and caches that are garbage but not yet collected.
+
+Stock transformers runs separate caches from separate threads; caches of one pool do the same here, their
+bookkeeping (pages, request rows, prefix cache) taking turns. A cache nobody can reach but a reference cycle keeps
+gives its pages and rows back when an allocation would otherwise fail.
+"""
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import astrai_hf
+from astrai_hf import CacheFullError, PagedCache, PagePool
+from tiny_models import left_padded_batch, tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _two_steps(model, ids, mask, cache):
+    """A prefill (of the columns a cache pre-filled from the prefix cache lacks) and one decode step of the
+    caller's own: the logits of both, [B, V] each."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    start = cache.get_seq_length()
+    with torch.no_grad():
+        first = model(ids[:, start:], attention_mask=mask, position_ids=pos[:, start:],
+                      past_key_values=cache).logits[:, -1]
+        nxt = first.argmax(-1, keepdim=True)
+        mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
+        second = model(nxt, attention_mask=mask2, position_ids=pos[:, -1:] + 1, past_key_values=cache).logits[:, -1]
+    return first, second
+
+
+class _Overlap:
+    """Wraps the methods that change a pool's books, and records how many threads were inside one at once (a
+    short sleep inside widens the window in which another thread could enter)."""
+
+    def __init__(self, pool):
+        self.inside, self.most, self._lock = 0, 0, threading.Lock()
+        for owner, names in ((pool.allocator, ("alloc", "alloc_runs", "incref", "decref")),
+                             (pool.req_to_token, ("alloc", "free"))):
+            for name in names:
+                setattr(owner, name, self._wrap(getattr(owner, name)))
+
+    def _wrap(self, fn):
+        def wrapped(*args, **kwargs):
+            with self._lock:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+            try:
+                time.sleep(0.0005)
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.inside -= 1
+        return wrapped
+
+
+def _run_threads(work, n: int) -> list[BaseException]:
+    errors = []
+
+    def run():
+        try:
+            work()
+        except BaseException as e:  # (reported by the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_caches_of_one_pool_in_several_threads_match_dynamic_cache(llama, page_size):
+    # An unpatched model's caches planned their steps without a lock: two threads took the same pages (wrong
+    # logits), freed pages twice ("page 1 is freed twice"), and left pages counted as used after every release.
+    pool = PagePool.from_model(llama, max_tokens=1024, page_size=page_size)
+    ids, mask = left_padded_batch([13, 9], seed=0)
+    ref = _two_steps(llama, ids, mask, DynamicCache())
+    overlap = _Overlap(pool)
+    wrong = []
+
+    def work():
+        for _ in range(6):
+            with PagedCache(pool, ids, mask) as cache:  # (pre-filled from the prefix cache after the first)
+                got = _two_steps(llama, ids, mask, cache)
+            if not all(torch.allclose(g, r, atol=1e-5) for g, r in zip(got, ref)):
+                wrong.append(got)
+
+    errors = _run_threads(work, 3)
+    assert not errors and not wrong
+    assert overlap.most == 1, "two threads changed the pool's books at once"
+    s = pool.stats()
+    assert s["num_used_pages"] == 0 and s["num_reqs_used"] == 0
+    assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
+    assert len(pool.allocator.free_pages()) == s["num_free_pages"]
+
+
+def test_patched_generate_in_threads_beside_unpatched_caches(llama):
+    # a patched model's calls take turns on the pool; caches of the caller's own loop in other threads go between
+    ids, mask = left_padded_batch([11, 7], seed=1)
+    stock = llama.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    ref = _two_steps(llama, ids, mask, DynamicCache())
+    pool = PagePool.from_model(llama, max_tokens=1024, page_size=2)
+    results = []
+    with astrai_hf.patched(llama, pool=pool):
+        def generate():
+            for _ in range(3):
+                results.append(torch.equal(
+                    llama.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False), stock))
+
+        def own_loop():
+            for _ in range(3):
+                with PagedCache(pool, ids, mask) as cache:
+                    got = _two_steps(llama, ids, mask, cache)
+                results.append(all(torch.allclose(g, r, atol=1e-5) for g, r in zip(got, ref)))
+
+        errors = _run_threads(lambda: (generate(), own_loop()), 2)
+    assert not errors and results and all(results)
+    assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+
+
+def _garbage_cache(pool, ids, mask, prefill_with=None):
+    """Build a cache, optionally prefill it, and leave it unreachable but in a reference cycle (an exception kept
+    in a local: exception -> traceback -> frame -> exception)."""
+    cache = PagedCache(pool, ids, mask)
+    if prefill_with is not None:
+        _two_steps(prefill_with, ids, mask, cache)
+    try:
+        raise RuntimeError("the caller's code failed")
+    except RuntimeError as e:
+        kept = e  # noqa: F841
+    return None
+
+
+@pytest.fixture
+def no_automatic_gc():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_request_rows_of_garbage_caches_are_collected_before_cache_full(llama, no_automatic_gc):
+    ids, mask = left_padded_batch([12, 9], seed=0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    stock = llama.generate(ids, **kw)
+    pool = PagePool.from_model(llama, max_tokens=1024, page_size=4, max_reqs=8)
+    with astrai_hf.patched(llama, pool=pool):
+        assert torch.equal(llama.generate(ids, **kw), stock)  # fills the prefix cache
+        for _ in range(4):  # 4 garbage caches, each pre-filled from the prefix cache: 2 rows each, all 8 held
+            _garbage_cache(pool, ids, mask)
+        assert pool.stats()["num_reqs_used"] == 8
+        assert torch.equal(llama.generate(ids, **kw), stock)  # had raised CacheFullError: 0 free request rows
+        assert pool.stats()["num_reqs_used"] == 0 and pool.stats()["num_used_pages"] == 0
+    # a caller's own cache, and a copy of one, find the rows too
+    ref = _two_steps(llama, ids, mask, DynamicCache())
+    for _ in range(4):
+        _garbage_cache(pool, ids, mask)
+    with PagedCache(pool, ids, mask) as cache:  # pre-filled: takes 2 rows
+        for _ in range(3):
+            _garbage_cache(pool, ids, mask)
+        assert pool.stats()["num_reqs_used"] == 8
+        twin = cache.__deepcopy__({})  # 2 more rows
+        for c in (cache, twin):
+            assert all(torch.allclose(g, r, atol=1e-5) for g, r in zip(_two_steps(llama, ids, mask, c), ref))
+        twin.release()
+    assert pool.stats()["num_reqs_used"] == 0 and pool.stats()["num_used_pages"] == 0
+
+
+def test_pages_of_garbage_caches_are_collected_before_cache_full(llama, no_automatic_gc):
+    # caches of the caller's own loop that hold pages (no prefix cache to give them to): a later call needs them
+    ids, mask = left_padded_batch([30, 25], seed=2)
+    pool = PagePool.from_model(llama, max_tokens=160, page_size=8, prefix_cache=False)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    stock = llama.generate(ids, **kw)
+    for _ in range(2):
+        _garbage_cache(pool, ids, mask, prefill_with=llama)
+    held = pool.stats()["num_used_pages"]
+    assert held > pool.stats()["num_pages"] - 10  # a 2-row call of 36 tokens needs 10 pages
+    with astrai_hf.patched(llama, pool=pool):
+        assert torch.equal(llama.generate(ids, **kw), stock)
+    assert pool.stats()["num_used_pages"] == 0
+    # nothing to collect: the error still names the numbers
+    with PagedCache(pool, ids, mask) as kept, PagedCache(pool, ids, mask) as also_kept:
+        _two_steps(llama, ids, mask, kept)
+        _two_steps(llama, ids, mask, also_kept)
+        with PagedCache(pool, ids, mask) as third:
+            with pytest.raises(CacheFullError, match=r"needed \d+ pages, \d+ free, 0 evictable"):
+                _two_steps(llama, ids, mask, third)
+    assert pool.stats()["num_used_pages"] == 0
