@@ -106,6 +106,27 @@ class _Rows:
             self.pool.prefix_cache.insert(row_ids[:n], self.pages[r])
 
 
+def _release_when_collected(rows: _Rows) -> None:
+    """The finaliser of a cache nobody released: return its rows now, or, when another thread holds the pool's
+    books or this thread is in the middle of changing them (the garbage collector runs finalisers at any
+    allocation), leave them to the pool, which returns them as soon as the books are consistent
+    (:meth:`PagePool.release_later`). A finaliser never waits for a lock: the thread it runs in may hold another
+    (a logging handler's) that the books' holder wants."""
+    pool = rows.pool
+    if pool is None:
+        return
+    if not pool.books_lock.acquire(blocking=False):
+        pool.release_later(rows)
+        return
+    try:
+        if pool.books_depth:
+            pool.release_later(rows)
+        else:
+            rows.release()
+    finally:
+        pool.books_lock.release()
+
+
 PATCH_STATE_ATTR = "_astrai_patch_state"  # where patch() keeps a patched model's state (on the model's __dict__)
 
 
@@ -226,7 +247,7 @@ class PagedCache(Cache):
         self.logical_len = 0
         self._rows = _Rows(pool)
         self._rows.insert_on_release = self._wants_prefix_cache = prefix_cache  # (see rejoin_prefix_cache())
-        self._finalizer = weakref.finalize(self, self._rows.release)
+        self._finalizer = weakref.finalize(self, _release_when_collected, self._rows)
         self._num_pad: list[int] | None = None
         self._prompt_pads: list[int] | None = None
         self._prompt_ids: list[list[int]] | None = None
@@ -745,14 +766,14 @@ class PagedCache(Cache):
         needed = to_allocate()
         try:
             try:
-                pool.reserve(needed)
+                pool.reserve(needed, collect_garbage=not any(cow))
             except CacheFullError:
                 # no free page to copy a partly used prefix page into: take such pages over from the prefix cache
                 # (a row then appends in place), which leaves the step needing what it would on an empty cache
-                if not self._take_over_cow_pages(prev, seq):
-                    raise
-                cow = self._copies_on_write(prev, seq)
-                needed = to_allocate()
+                # (tried before the garbage collector, which costs a full collection; tried after it otherwise)
+                if self._take_over_cow_pages(prev, seq):
+                    cow = self._copies_on_write(prev, seq)
+                    needed = to_allocate()
                 pool.reserve(needed)
             if to_allocate() != needed:  # the pool took this cache's reserved pages back to make room
                 needed = to_allocate()
@@ -1427,7 +1448,7 @@ class PagedCache(Cache):
                 if name not in ("_rows", "_finalizer"):
                     twin.__dict__[name] = copy.deepcopy(value, memo)
             twin._rows = _Rows(None)
-            twin._finalizer = weakref.finalize(twin, twin._rows.release)
+            twin._finalizer = weakref.finalize(twin, _release_when_collected, twin._rows)
             return twin
         stopped = self._unfinished_step()
         if stopped is not None:  # (the copy would hold columns some layers lack, and not know it)

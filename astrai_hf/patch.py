@@ -1561,8 +1561,10 @@ def _check_attention_modules(model, modules: list, when: str = "") -> None:
     if reason is not None:
         raise NotImplementedError(f"{type(model).__name__}{when}: {reason}; astrai-hf cannot patch it (stock "
                                   "generate() and an unpatched model are unaffected)")
-    for cls in sorted({type(m) for m in modules}, key=lambda c: c.__name__):
-        if not _uses_attention_interface(cls):
+    for cls, module in sorted({type(m): m for m in modules}.items(), key=lambda item: item[0].__name__):
+        if not _uses_attention_interface(cls) and not any(
+                _uses_attention_interface(type(child)) for child in module.children()):
+            # (a module that holds the layer_idx and hands attention to a child: DBRX's DbrxNormAttentionNorm)
             raise NotImplementedError(
                 f"{cls.__name__} computes attention without transformers' AttentionInterface, so paged attention "
                 f"cannot be routed into {type(model).__name__}{when}; use PagedCache without patch() instead"

@@ -145,6 +145,8 @@ class PagePool:
         # the books (allocator, request rows, prefix cache, reservations) change only under books(): caches of one
         # pool plan, copy and release from several threads (an unpatched model's, a finaliser run by gc)
         self.books_lock = threading.RLock()
+        self.books_depth = 0  # books() blocks entered and not left (by the thread holding books_lock)
+        self._released_later: list = []  # page holders of caches collected while the books were busy
         self._model_ref = None
         self._model_fingerprint: str | None = None
         self._weights_version: _WeightsVersion | None = None
@@ -159,7 +161,31 @@ class PagePool:
         it, in the same thread, goes ahead), and Ctrl-C waits until the books are consistent again
         (:func:`~astrai_hf.interrupts.interrupts_deferred`)."""
         with self.books_lock, interrupts_deferred():
-            yield
+            if not self.books_depth:
+                self._release_collected()
+            self.books_depth += 1
+            try:
+                yield
+            finally:
+                self.books_depth -= 1
+                if not self.books_depth:
+                    self._release_collected()
+
+    def release_later(self, holder) -> None:
+        """Take the page holder of a cache the garbage collector finalised while the books were busy (see
+        ``books()``); its pages and rows return when the block that held them ends, or at the next allocation
+        that runs short."""
+        self._released_later.append(holder)  # (list.append is atomic: no lock needed, none taken)
+
+    def _release_collected(self) -> None:
+        if not self._released_later:
+            return
+        self.books_depth += 1  # (the releases' own books() blocks do not come back here)
+        try:
+            while self._released_later:
+                self._released_later.pop().release()
+        finally:
+            self.books_depth -= 1
 
     def release_garbage_caches(self) -> bool:
         """Run the garbage collector, so that caches nobody can reach any more but a reference cycle keeps (an
@@ -172,6 +198,7 @@ class PagePool:
         before = (self.allocator.num_free, self.req_to_token.num_free,
                   self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0)
         gc.collect()
+        self._release_collected()  # (finalisers run inside this thread's books leave their rows to it)
         after = (self.allocator.num_free, self.req_to_token.num_free,
                  self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0)
         if after != before:
@@ -332,10 +359,15 @@ class PagePool:
         }
 
     # ------------------------------------------------------------------ pages
-    def reserve(self, num_pages: int) -> None:
+    def reserve(self, num_pages: int, collect_garbage: bool = True) -> None:
         """Make ``num_pages`` pages free: first by taking back the pages live caches reserved for tokens they have
         not written yet (see ``PagedCache(reserve_new_tokens=...)``; their rows then grow page by page), then by
         evicting cached-only pages (LRU, tail first).
+
+        Args:
+            num_pages: pages wanted free.
+            collect_garbage: before raising, run the garbage collector once (:meth:`release_garbage_caches`, a
+                full collection) and try again.
 
         Raises:
             CacheFullError: even after evicting every cached-only page fewer than ``num_pages`` are free. Nothing
@@ -345,7 +377,7 @@ class PagePool:
         """
         with self.books():
             error = self._make_free(num_pages)
-            if error is not None and self.release_garbage_caches():
+            if error is not None and collect_garbage and self.release_garbage_caches():
                 error = self._make_free(num_pages)
             if error is not None:
                 raise error

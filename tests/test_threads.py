@@ -201,3 +201,102 @@ def test_pages_of_garbage_caches_are_collected_before_cache_full(llama, no_autom
             with pytest.raises(CacheFullError, match=r"needed \d+ pages, \d+ free, 0 evictable"):
                 _two_steps(llama, ids, mask, third)
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_finaliser_never_waits_for_the_books_another_thread_holds(llama, no_automatic_gc):
+    # A finaliser that waited for the pool's lock deadlocked a thread holding a logging handler's lock (gc ran it
+    # while emitting) against the lock's holder logging inside the books. It leaves the rows to the holder instead.
+    ids, mask = left_padded_batch([9, 6], seed=3)
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=4)
+    _garbage_cache(pool, ids, mask, prefill_with=llama)
+    assert pool.stats()["num_used_pages"] > 0
+    holding, done = threading.Event(), threading.Event()
+
+    def hold_the_books():
+        with pool.books():
+            holding.set()
+            done.wait(20)
+
+    holder = threading.Thread(target=hold_the_books)
+    holder.start()
+    try:
+        assert holding.wait(20)
+        collector = threading.Thread(target=gc.collect)
+        collector.start()
+        collector.join(5)
+        finished = not collector.is_alive()
+    finally:
+        done.set()
+        holder.join()
+    collector.join()
+    assert finished, "the finaliser waited for the books held by another thread"
+    s = pool.stats()  # (the rows went back when the holder's block ended)
+    assert s["num_used_pages"] == 0 and s["num_reqs_used"] == 0
+
+
+def test_a_finaliser_run_inside_the_books_waits_until_they_are_consistent(llama, no_automatic_gc):
+    # gc runs finalisers at any allocation, also in the middle of the books' changes of this thread: between the
+    # prefix cache's match and the ref counts that hold the matched pages, a garbage cache's release inserted a
+    # longer tail and freed the matched one ("page 2 is not allocated", a request row leaked)
+    pool = PagePool.from_model(llama, max_tokens=64, page_size=4, max_seq_len=32)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(3, 96, (1, 6), generator=g)
+    x, y = torch.randint(3, 96, (2,), generator=g).tolist()
+
+    def fed(ids):
+        cache = PagedCache(pool, ids, model=llama)
+        with torch.no_grad():
+            start = cache.get_seq_length()
+            llama(ids[:, start:], position_ids=torch.arange(start, ids.shape[1])[None], past_key_values=cache)
+        return cache
+
+    fed(a).release()  # cached: a full page and a tail of 2 tokens
+    garbage = fed(torch.cat([a, torch.tensor([[x]])], 1))
+    garbage.cycle = garbage  # holds a tail of 3 tokens, garbage once dropped
+    del garbage
+    alloc = pool.req_to_token.alloc
+
+    def alloc_after_a_collection(n):  # an automatic collection at this allocation
+        gc.collect()
+        return alloc(n)
+
+    pool.req_to_token.alloc = alloc_after_a_collection
+    try:
+        ids = torch.cat([a, torch.tensor([[x, y]])], 1)
+        cache = PagedCache(pool, ids, model=llama)
+    finally:
+        pool.req_to_token.alloc = alloc
+    assert cache.get_seq_length() > 0
+    ref = llama(ids).logits[:, -1]
+    with torch.no_grad():
+        start = cache.get_seq_length()
+        got = llama(ids[:, start:], position_ids=torch.arange(start, ids.shape[1])[None],
+                    past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    cache.release()
+    s = pool.stats()
+    assert s["num_used_pages"] == 0 and s["num_reqs_used"] == 0
+    assert s["num_free_pages"] + s["num_cached_pages"] == s["num_pages"]
+
+
+def test_a_step_that_takes_over_a_prefix_page_runs_no_garbage_collection(llama, monkeypatch):
+    # a full pool and a prefix hit on a partly used page: the step appends in place instead of copying; it had run
+    # a full gc.collect() (160 ms in a large process) before finding that way
+    pool = PagePool.from_model(llama, max_tokens=64, page_size=4, max_seq_len=32)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(3, 96, (1, 6), generator=g)
+    cache = PagedCache(pool, a, model=llama)
+    with torch.no_grad():
+        llama(a, past_key_values=cache)
+    cache.release()
+    filler = pool.allocator.alloc(pool.allocator.num_free - 1)
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
+    ids = torch.cat([a, torch.randint(3, 96, (1, 3), generator=g)], 1)
+    with PagedCache(pool, ids, model=llama) as cache:
+        assert cache.get_seq_length() == 6
+        with torch.no_grad():
+            llama(ids[:, 6:], position_ids=torch.arange(6, 9)[None], past_key_values=cache)
+    assert collections == []
+    pool.allocator.decref(filler)
+    assert pool.stats()["num_used_pages"] == 0

@@ -722,3 +722,23 @@ def test_a_num_key_value_heads_the_family_ignores_is_named_with_the_fix(family, 
         patched.config.num_key_value_heads = heads
         astrai_hf.patch(patched, max_tokens=512)
         assert torch.equal(patched.generate(ids, **kw), ref)
+
+
+def test_a_layer_module_that_hands_attention_to_a_child_is_patched():
+    # DBRX's DbrxNormAttentionNorm holds the layer_idx and calls its child DbrxAttention, which uses the
+    # AttentionInterface: judged by the child, it is patched (tokens as stock's)
+    torch.manual_seed(0)
+    config = T.DbrxConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=96, max_seq_len=64, pad_token_id=0,
+                          attn_config={"kv_n_heads": 2, "clip_qkv": 8.0},
+                          ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 1})
+    config.attn_config.rope_theta = 10000.0  # (read by DBRX's rotary module, not set by its config on 5.24)
+    with _quiet():
+        model = T.DbrxForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3.0)
+    stock = model.generate(_IDS, **_KW)
+    pool = PagePool.from_model(model, max_tokens=512)
+    with astrai_hf.patched(model, pool=pool):
+        assert torch.equal(model.generate(_IDS, **_KW), stock)
+        assert torch.equal(model.generate(_IDS, **_KW), stock)  # (a prefix hit)
+        assert pool.stats()["num_used_pages"] == 0
