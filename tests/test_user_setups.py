@@ -6,6 +6,7 @@ import contextlib
 import copy
 import gc
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -902,6 +903,27 @@ def test_gradients_of_the_inputs_of_a_frozen_model_equal_stock():
         torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
         assert _used(pool) == 0
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_loss_over_two_forwards_warns_that_the_first_ones_kv_carry_no_gradient(patched):
+    # the second forward attends to K/V the first stored with their graph in a DynamicCache, as constants in the
+    # pool: the loss is stock's, the gradients are not (77% off on k_proj), which had passed in silence
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 5])
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    nxt = torch.full((2, 1), 5)
+    mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
+    with astrai_hf.patched(model, pool=pool) if patched else contextlib.nullcontext():
+        with PagedCache(pool, prefix_cache=False) as cache, pytest.warns(UserWarning, match="gradients do not flow"):
+            model(ids, attention_mask=mask, past_key_values=cache)
+            model(nxt, attention_mask=mask2, past_key_values=cache).logits.sum().backward()
+        with PagedCache(pool, prefix_cache=False) as cache, warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # K/V stored without autograd are constants in stock's cache too
+            with torch.no_grad():
+                model(ids, attention_mask=mask, past_key_values=cache)
+            model(nxt, attention_mask=mask2, past_key_values=cache).logits.sum().backward()
+    assert _used(pool) == 0
 
 
 def test_a_decode_step_whose_query_requires_grad_through_a_hook_runs():
