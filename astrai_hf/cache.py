@@ -225,7 +225,7 @@ class PagedCache(Cache):
     stock_cache = None
     returned_len = 0  # the columns the cache held when that generate() returned (for one that recorded no tokens)
     returned_rows = 0  # and its rows (moved by the row operations below)
-    _stored_with_grad = None  # the last step that stored K/V while autograd recorded it (their graph is not kept)
+    _grad_step = None  # the last step that stored K/V while autograd recorded it (their graph is not kept)
     _warned_grad = False
     is_croppable = True
 
@@ -1046,7 +1046,7 @@ class PagedCache(Cache):
         if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             # The pool is outside autograd: this step's columns are handed back as the live tensors, so gradients
             # reach this step's K/V as with a DynamicCache (K/V stored by earlier forwards are constants).
-            earlier = self._stored_with_grad
+            earlier = self._grad_step
             if earlier is not None and earlier is not step and width > q and not self._warned_grad:
                 self._warned_grad = True
                 warnings.warn(
@@ -1054,7 +1054,7 @@ class PagedCache(Cache):
                     "it; the pool keeps them without their graph, so gradients do not flow back through them as "
                     "they do through a DynamicCache's (the loss is the same, the gradients differ). Compute such a "
                     "loss in one forward, or train with a DynamicCache", UserWarning, stacklevel=2)
-            self._stored_with_grad = step
+            self._grad_step = step
             keys = torch.cat([keys[:, :, : width - q], key_states], dim=2)
             values = torch.cat([values[:, :, : width - q], value_states], dim=2)
         return keys, values
@@ -1416,7 +1416,7 @@ class PagedCache(Cache):
         self._step = None
         self._step_layers = set()
         self._pending_q = 0
-        self._stored_with_grad = None
+        self._grad_step = None
 
     def _hold_pool_weakly(self, pool: PagePool | None = None) -> None:
         """Release this cache and keep its pool only by a weak reference from now on: a patched ``generate()``

@@ -157,9 +157,10 @@ class PagePool:
     @contextlib.contextmanager
     def books(self) -> Iterator[None]:
         """Hold the pool's books (page allocator, ``req_to_token`` rows, prefix cache, reservations) for a change
-        that must look atomic: other threads wait for the block (a reentrant lock: a finaliser that gc runs inside
-        it, in the same thread, goes ahead), and Ctrl-C waits until the books are consistent again
-        (:func:`~astrai_hf.interrupts.interrupts_deferred`)."""
+        that must look atomic: other threads wait for the block (a reentrant lock), and Ctrl-C waits until the
+        books are consistent again (:func:`~astrai_hf.interrupts.interrupts_deferred`). A cache that the garbage
+        collector finalises meanwhile, in this thread or another, does not wait or cut in: its rows are returned
+        when the outermost block is entered or left (:meth:`release_later`)."""
         with self.books_lock, interrupts_deferred():
             if not self.books_depth:
                 self._release_collected()
@@ -173,8 +174,8 @@ class PagePool:
 
     def release_later(self, holder) -> None:
         """Take the page holder of a cache the garbage collector finalised while the books were busy (see
-        ``books()``); its pages and rows return when the block that held them ends, or at the next allocation
-        that runs short."""
+        ``books()``); its pages and rows return when the outermost block that held them ends, or when the next
+        one begins, or right after :meth:`release_garbage_caches` collects."""
         self._released_later.append(holder)  # (list.append is atomic: no lock needed, none taken)
 
     def _release_collected(self) -> None:
