@@ -8,13 +8,23 @@ import pytest
 from astrai_hf import plots
 
 RESULTS = sorted((Path(__file__).parent.parent / "benchmarks" / "results").glob("cpu-*"))
+SUITE_FILES = {"decode": "bench.json", "prefix": "prefix.json", "prefill": "prefill.json"}
+# a run may hold only some suites (`--suite decode`); the newest run that holds all three draws every panel
+COMPLETE = [d for d in RESULTS if all((d / f).is_file() for f in SUITE_FILES.values())]
 
 
 def test_committed_results_redraw(tmp_path):
-    results = plots.load_results(RESULTS[-1])
+    results = plots.load_results(COMPLETE[-1])
     assert set(results) == {"decode", "prefix", "prefill"}
     out = plots.plot(results, tmp_path / "chart.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("run", RESULTS, ids=[d.name for d in RESULTS])
+def test_every_committed_run_redraws_the_suites_it_holds(run, tmp_path):
+    results = plots.load_results(run)
+    assert set(results) == {suite for suite, name in SUITE_FILES.items() if (run / name).is_file()}
+    assert plots.plot(results, tmp_path / "chart.png").stat().st_size > 10_000
 
 
 def test_cli_redraw(tmp_path, capsys):
@@ -42,7 +52,7 @@ def test_each_suite_alone_draws_inside_the_figure(suite):
     # one panel had been too narrow for the one-line title, cut at both ends
     import matplotlib.pyplot as plt
 
-    fig = plots.figure({suite: plots.load_results(RESULTS[-1])[suite]})
+    fig = plots.figure({suite: plots.load_results(COMPLETE[-1])[suite]})
     try:
         renderer = fig.canvas.get_renderer()
         for text in [fig._suptitle, *(ax.title for ax in fig.axes)]:
