@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,12 +27,18 @@ import torch
 from .bench import StepTimer, environment
 from .bench_prefill import generate_batch_runner
 
+logger = logging.getLogger(__name__)
+
 # SmolLM2-135M-Instruct's architecture (the embedded model's config.json, architecture fields only)
 SMOLLM2_135M = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
     tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=2,
 )
+
+
+SETUPS = ["DynamicCache eager", "StaticCache + torch.compile", "PagedCache eager", "PagedCache + CUDA graphs",
+          "generate_batch (end to end)"]  # the table's order within a batch size
 
 
 @dataclass
@@ -117,10 +124,11 @@ def _timed_generate(model, ids, new_tokens: int, device, **kwargs):
     return out, timer, time.perf_counter() - start
 
 
-def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, results: Results,
-                 compile_batches=(1, 8), save=None) -> None:
-    """Decode tokens/s of every setup at each batch size. A setup that fails is a note, not the end of the run;
-    ``save()`` (when given) writes the results so far after each batch."""
+def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, results: Results,
+                compile_batches=(1, 8)) -> list[tuple[int, str, object]]:
+    """The decode setups of every batch size as ``(batch, setup, run)``: each ``run()`` times one setup and adds
+    its row to ``results.decode``. Every setup's tokens are compared with the first one run at its batch size
+    (``DynamicCache`` eager, which comes first in the list)."""
     import astrai_hf
     from astrai_hf import PagePool
 
@@ -128,38 +136,40 @@ def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, 
     pool = PagePool.from_model(model, max_tokens=max(batches) * (prompt_len + new_tokens + 16), page_size=16,
                                prefix_cache=False)
     cuda = torch.device(device).type == "cuda"
+    references: dict[int, torch.Tensor] = {}
+    jobs = []
     for batch in batches:
         ids = _prompts(vocab, batch, prompt_len, device, seed=batch)
         results.floor_ms[batch] = step_floor_ms(model, batch, prompt_len + new_tokens // 2, results.bandwidth_gb_s)
-        reference = None
 
-        def record(setup, out, timer, setup_s=0.0):
-            nonlocal reference
+        def record(setup, out, timer, setup_s=0.0, batch=batch):
             seqs = out if isinstance(out, torch.Tensor) else torch.tensor(out)
             seqs = seqs[:, -new_tokens:].cpu()
-            if reference is None:
-                reference = seqs
+            reference = references.setdefault(batch, seqs)
             tok_s = timer.decode_tok_s(batch) if timer is not None else float("nan")
             step_ms = batch / tok_s * 1e3 if tok_s == tok_s else float("nan")
             results.decode.append(DecodeRow(batch, setup, tok_s, step_ms, setup_s, bool(torch.equal(seqs, reference))))
 
-        def dynamic():
+        def dynamic(ids=ids, record=record):
             _timed_generate(model, ids[:, :16], 4, device)
             out, timer, _ = _timed_generate(model, ids, new_tokens, device)
             record("DynamicCache eager", out, timer)
 
-        def static_compiled():
+        def static_compiled(ids=ids, record=record, batch=batch):
             # generate() compiles the decode step of a StaticCache on CUDA by itself, with the default
             # CompileConfig (inductor, mode="reduce-overhead"); the first call pays the compile
-            start = time.perf_counter()
-            _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
-            first = time.perf_counter() - start
-            if not hasattr(model, "_compiled_call"):
-                results.notes.append(f"StaticCache at batch {batch}: generate() did not compile the decode step")
-            out, timer, steady = _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
-            record("StaticCache + torch.compile", out, timer, setup_s=max(first - steady, 0.0))
+            try:
+                start = time.perf_counter()
+                _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
+                first = time.perf_counter() - start
+                if not hasattr(model, "_compiled_call"):
+                    results.notes.append(f"StaticCache at batch {batch}: generate() did not compile the decode step")
+                out, timer, steady = _timed_generate(model, ids, new_tokens, device, cache_implementation="static")
+                record("StaticCache + torch.compile", out, timer, setup_s=max(first - steady, 0.0))
+            finally:
+                torch._dynamo.reset()
 
-        def paged(graphs):
+        def paged(graphs, ids=ids, record=record, batch=batch):
             astrai_hf.patch(model, pool=pool, cuda_graphs=graphs)
             try:
                 start = time.perf_counter()
@@ -176,7 +186,7 @@ def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, 
             if pool.stats()["num_used_pages"] != 0:
                 results.notes.append(f"batch {batch}: {pool.stats()['num_used_pages']} pages left used")
 
-        def continuous():
+        def continuous(ids=ids, record=record, batch=batch):
             gb = _generate_batch(model, ids, new_tokens, device)
             if gb is not None:
                 seqs, seconds = gb  # end to end: tok/s over all new tokens, prefill included
@@ -184,23 +194,40 @@ def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, 
                 results.decode[-1].tok_s = batch * new_tokens / seconds
                 results.decode[-1].step_ms = seconds / new_tokens * 1e3
 
-        setups = [("DynamicCache eager", dynamic)]
-        if batch in compile_batches and cuda:
-            setups.append(("StaticCache + torch.compile", static_compiled))
-        setups.append(("PagedCache eager", lambda: paged(False)))
+        jobs.append((batch, "DynamicCache eager", dynamic))
+        jobs.append((batch, "PagedCache eager", lambda paged=paged: paged(False)))
         if cuda:
-            setups.append(("PagedCache + CUDA graphs", lambda: paged(True)))
-        setups.append(("generate_batch", continuous))
-        for name, run in setups:
-            try:
-                run()
-            except Exception as e:  # a failing setup is a result, not a crash of the whole check
-                results.notes.append(f"{name} at batch {batch} failed: {type(e).__name__}: {e}")
-            finally:
-                if name.startswith("StaticCache"):
-                    torch._dynamo.reset()
-        if save is not None:
-            save()
+            jobs.append((batch, "PagedCache + CUDA graphs", lambda paged=paged: paged(True)))
+            if batch in compile_batches:
+                jobs.append((batch, "StaticCache + torch.compile", static_compiled))
+        jobs.append((batch, "generate_batch", continuous))
+    return jobs
+
+
+def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, results: Results,
+                 compile_batches=(1, 8), save=None) -> None:
+    """Decode tokens/s of every setup at each batch size, in the order of :func:`decode_jobs`. A setup that fails
+    is a note, not the end of the run; ``save()`` (when given) writes the results so far after each setup."""
+    for batch, name, run in decode_jobs(model, batches, prompt_len, new_tokens, device, results, compile_batches):
+        _run_phase(f"{name} at batch {batch}", run, results, save)
+
+
+def _run_phase(name: str, run, results: Results, save=None, deadline: float | None = None,
+               needs_s: float = 0.0) -> None:
+    """Run one phase; a failure is a note, not a crash of the whole check. With a ``deadline``
+    (``time.monotonic()``), a phase is skipped, with a note, when less than ``needs_s`` seconds are left."""
+    if deadline is not None and deadline - time.monotonic() < needs_s:
+        results.notes.append(f"{name}: skipped, less than {needs_s:.0f} s of the time budget left")
+        return
+    start = time.monotonic()
+    try:
+        run()
+    except Exception as e:
+        results.notes.append(f"{name} failed: {type(e).__name__}: {e}")
+        logger.exception("%s failed", name)
+    logger.info("%s: %.1f s", name, time.monotonic() - start)
+    if save is not None:
+        save()
 
 
 def capture_suite(model, device: str, results: Results) -> None:
@@ -278,7 +305,7 @@ def to_markdown(r: Results) -> str:
              "| batch | setup | tok/s | ms/step | vs DynamicCache | step floor (ms) | setup time (s) | same tokens |",
              "|---|---|---|---|---|---|---|---|"]
     base = {row.batch: row.tok_s for row in r.decode if row.setup == "DynamicCache eager"}
-    for row in r.decode:
+    for row in sorted(r.decode, key=lambda row: (row.batch, SETUPS.index(row.setup) if row.setup in SETUPS else 9)):
         ratio = row.tok_s / base[row.batch] if base.get(row.batch) else float("nan")
         lines.append(f"| {row.batch} | {row.setup} | {row.tok_s:.0f} | {row.step_ms:.2f} | {ratio:.2f}x | "
                      f"{r.floor_ms.get(row.batch, float('nan')):.3f} | {row.setup_s:.2f} | "
@@ -315,8 +342,13 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prefill-batch", type=int, default=32, help="0 skips the packed-prefill comparison")
     parser.add_argument("--random-weights", action="store_true", help="do not look for the embedded weights")
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="seconds the whole run may take: phases that would not fit are skipped, with a note "
+                             "(0: no limit)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (a smoke run of the script itself)")
     args = parser.parse_args(argv)
+    began = time.monotonic()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype)
     tiny = dict(SMOLLM2_135M, num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128,
                 num_attention_heads=4, num_key_value_heads=2) if args.tiny else None
@@ -340,16 +372,18 @@ def main(argv=None) -> int:
         (args.out / "gpu_bench.json").write_text(json.dumps(
             {**asdict(results), "decode": [asdict(d) for d in results.decode]}, indent=1, default=str))
 
-    decode_suite(model, batches, args.prompt_len, args.new_tokens, args.device, results, save=save)
-    phases = [("capture_graphs", lambda: capture_suite(model, args.device, results))]
+    deadline = began + args.budget_s if args.budget_s else None
+    jobs = decode_jobs(model, batches, args.prompt_len, args.new_tokens, args.device, results)
+    compiled = [j for j in jobs if j[1].startswith("StaticCache")]  # minutes of compiling each: after the rest
+    phases = [(f"{name} at batch {batch}", run, 10.0) for batch, name, run in jobs if not name.startswith("StaticCache")]
+    phases += [(f"{name} at batch {batch}", run, 90.0) for batch, name, run in compiled[:1]]
+    phases.append(("capture_graphs", lambda: capture_suite(model, args.device, results), 15.0))
     if args.prefill_batch:
-        phases.append(("packed prefill", lambda: prefill_suite(model, args.prefill_batch, 16, args.device, results)))
-    for name, run in phases:
-        try:
-            run()
-        except Exception as e:  # a failing phase is a result, not a crash of the whole check
-            results.notes.append(f"{name} failed: {type(e).__name__}: {e}")
-        save()
+        phases.append(("packed prefill", lambda: prefill_suite(model, args.prefill_batch, 16, args.device, results),
+                       30.0))
+    phases += [(f"{name} at batch {batch}", run, 90.0) for batch, name, run in compiled[1:]]
+    for name, run, needs_s in phases:
+        _run_phase(name, run, results, save, deadline, needs_s)
     print(to_markdown(results))
     return 0
 
