@@ -831,19 +831,24 @@ class PagedCache(Cache):
                 known[r] = s0
         dev = pool.req_to_token.device
         table = pool.req_to_token
-
-        def as_index(values):
-            return torch.tensor(values, dtype=torch.long, device=dev)
-
+        # every index the step sends to the device travels in one host-to-device copy (on an accelerator each copy is
+        # a call into the driver, and a decode step replayed from a graph has little else to do on the host)
+        ids_from_input = input_ids is not None and bool(new_rows)
+        if not ids_from_input:
+            new_rows, new_cols = id_rows, id_cols
+        parts = [w_rows, w_cols, w_slots, new_slots, src if len(src) != B * q else [], new_rows, new_cols,
+                 [] if ids_from_input else id_vals, rows.req_rows if group == 1 else []]
+        staged = torch.tensor([v for part in parts for v in part], dtype=torch.long).to(dev, non_blocking=True)
+        (w_rows_t, w_cols_t, w_slots_t, slot_mapping, src_t, id_rows_t, id_cols_t, id_vals_t,
+         req_rows) = staged.split([len(part) for part in parts])
         if w_slots:
-            table.write(as_index(w_rows), as_index(w_cols), as_index(w_slots))
-        slot_mapping = as_index(new_slots)
-        write_src = None if len(src) == B * q else as_index(src)
-        if input_ids is not None and new_rows:
+            table.write(w_rows_t, w_cols_t, w_slots_t)
+        write_src = None if len(src) == B * q else src_t
+        if ids_from_input:
             flat = input_ids.reshape(-1).to(dev)
-            table.write_ids(as_index(new_rows), as_index(new_cols), flat if write_src is None else flat[write_src])
+            table.write_ids(id_rows_t, id_cols_t, flat if write_src is None else flat[write_src])
         elif id_rows:
-            table.write_ids(as_index(id_rows), as_index(id_cols), as_index(id_vals))
+            table.write_ids(id_rows_t, id_cols_t, id_vals_t)
         self.logical_len = end
         if group > 1:
             self._pending_known = None
@@ -859,7 +864,8 @@ class PagedCache(Cache):
             logical_len=end,
             paged=paged,
             table=pool.req_to_token.table,
-            req_rows=torch.tensor(rows.req_rows, dtype=torch.long, device=dev),
+            # (with group > 1 the rows were just expanded: their table rows are new)
+            req_rows=req_rows if group == 1 else torch.tensor(rows.req_rows, dtype=torch.long, device=dev),
             slot_mapping=slot_mapping,
             write_src=write_src,
             group=group,

@@ -54,9 +54,11 @@ class DecodeWorkspace:
         self.req_rows = torch.full((max_batch,), pad_row, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.filled = 0  # rows 0 .. filled - 1 may hold a real row's inputs; the rest point at the trash
 
     def fill(self, step: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor | None, bucket: int) -> None:
-        """Copy one step's inputs in (non-blocking) and point rows ``B .. bucket - 1`` at the trash."""
+        """Copy one step's inputs in (non-blocking) and point rows ``B ..`` at the trash (only those an earlier,
+        larger batch wrote: at a steady batch size a step pads nothing). ``bucket`` is the graph's batch size."""
         B = input_ids.shape[0]
         self.input_ids[:B].copy_(input_ids, non_blocking=True)
         if position_ids is None:
@@ -65,8 +67,9 @@ class DecodeWorkspace:
         self.req_rows[:B].copy_(step.req_rows, non_blocking=True)
         self.seq_lens[:B].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
         self.slot_mapping[:B].copy_(step.slot_mapping, non_blocking=True)
-        if bucket > B:
-            self.pad(B, bucket)
+        if self.filled > B:  # (past the bucket too: one pad of every stale row, then none while B stays)
+            self.pad(B, self.filled)
+        self.filled = max(self.filled, B)
 
     def pad(self, start: int, stop: int) -> None:
         """Point rows ``start .. stop - 1`` at the trash: token 0 at position 0, reading the trash row of
@@ -76,6 +79,8 @@ class DecodeWorkspace:
         self.req_rows[start:stop].fill_(self.pad_row)
         self.seq_lens[start:stop].fill_(1)
         self.slot_mapping[start:stop].zero_()
+        if stop >= self.filled:
+            self.filled = min(self.filled, start)
 
 
 class GraphStep:
@@ -105,20 +110,14 @@ def graph_decode_attention(query, k_cache, v_cache, step: GraphStep, *, scaling,
     Args:
         query: [B, H, 1, D]. Returns [B, 1, H, D] in the query's dtype.
     """
+    from .attention import triton_decode, triton_decode_on
+
+    if triton_decode_on(query.device):  # the kernel eager decode runs too (attention/__init__.py)
+        return triton_decode(query, k_cache, v_cache, step.table, step.req_rows, step.seq_lens_t,
+                             scaling=scaling, sliding_window=sliding_window, softcap=softcap)
     B, H, _, D = query.shape
     if scaling is None:
         scaling = D**-0.5
-    if query.is_cuda:
-        try:
-            from .attention import triton_kernels
-        except ImportError:
-            triton_kernels = None
-        if triton_kernels is not None:
-            out = triton_kernels.decode_attention(
-                query[:, :, 0].contiguous(), k_cache, v_cache, step.table, step.req_rows, step.seq_lens_t,
-                scaling=scaling, sliding_window=sliding_window, softcap=softcap,
-            )
-            return out.to(query.dtype)[:, None]
     W = step.table.shape[1]
     slots = step.table.index_select(0, step.req_rows).long().reshape(-1)  # [B * W]
     keys, values = gather_kv(k_cache, slots, B, W), gather_kv(v_cache, slots, B, W)

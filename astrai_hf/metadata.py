@@ -233,7 +233,23 @@ class DeviceView:
         self._rect_slots = None
         self._q_index = None
         self._rows_index = None
+        self._req_rows = None
+        self._seq_lens_t = None
         self._masks: dict = {}
+
+    @property
+    def req_rows(self) -> torch.Tensor:
+        """[B] int64 on this device: the ``req_to_token`` row of each batch row."""
+        if self._req_rows is None:
+            self._req_rows = self.meta.req_rows.to(self.device, non_blocking=True)
+        return self._req_rows
+
+    @property
+    def seq_lens_t(self) -> torch.Tensor:
+        """[B] int32 on this device: ``meta.seq_lens``, tokens per row after this step."""
+        if self._seq_lens_t is None:
+            self._seq_lens_t = torch.tensor(self.meta.seq_lens, dtype=torch.int32).to(self.device, non_blocking=True)
+        return self._seq_lens_t
 
     def rows_index(self, rows: list[int]) -> torch.Tensor:
         """``rows`` as an int64 tensor on this device, built once."""

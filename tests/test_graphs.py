@@ -1,6 +1,8 @@
 """DecodeGraphRunner on the CPU stand-in (replay = the captured forward run again over the same static buffers):
 decode through the runner equals eager decode token for token."""
 
+import types
+
 import pytest
 import torch
 
@@ -84,6 +86,36 @@ def test_batch_of_8_then_3_and_static_addresses():
         astrai_hf.unpatch(model)
     for ids, mask, out in results:
         assert torch.equal(out, model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=6))
+
+
+def test_workspace_pads_only_rows_a_larger_batch_wrote():
+    """Rows past the batch point at the trash (token 0, position 0, the trash row, one token, slot 0); a step of the
+    same batch size as the one before writes no padding again."""
+    from astrai_hf.graphs import DecodeWorkspace
+
+    ws = DecodeWorkspace(8, pad_row=99, device=torch.device("cpu"))
+    pads = []
+    real_pad = ws.pad
+    ws.pad = lambda start, stop: (pads.append((start, stop)), real_pad(start, stop))
+
+    def step(B, base):
+        meta = types.SimpleNamespace(prev_lens=[base] * B, seq_lens=[base + 1] * B,
+                                     req_rows=torch.arange(B), slot_mapping=torch.arange(B) + 100)
+        ws.fill(meta, torch.full((B, 1), 7), None, next(b for b in (1, 2, 4, 8) if b >= B))
+
+    step(6, 10)
+    step(6, 11)
+    assert pads == []  # nothing but trash past row 6 from the start
+    step(3, 12)
+    assert pads == [(3, 6)]  # the rows the batch of 6 wrote (bucket 4 reads row 3)
+    step(3, 13)
+    assert pads == [(3, 6)]
+    assert ws.input_ids[3:].eq(0).all() and ws.position_ids[3:].eq(0).all() and ws.req_rows[3:].eq(99).all()
+    assert ws.seq_lens[3:].eq(1).all() and ws.slot_mapping[3:].eq(0).all()
+    assert ws.input_ids[:3].eq(7).all() and ws.position_ids[:3].eq(13).all() and ws.seq_lens[:3].eq(14).all()
+    step(8, 14)
+    ws.pad(0, 8)  # as capture_graphs does before it captures a bucket
+    assert ws.filled == 0 and ws.req_rows.eq(99).all()
 
 
 def test_returned_logits_are_not_overwritten_by_the_next_replay():

@@ -15,6 +15,43 @@ ATTENTION_NAME = "astrai_paged"
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
 
 
+def triton_decode_on(device: torch.device) -> bool:
+    """Whether decode steps on ``device`` run the Triton split-KV kernel: on CUDA where Triton imports. Eager decode
+    and a replayed decode graph then do the same arithmetic, so ``cuda_graphs`` on or off gives the same tokens.
+    (Elsewhere both run the torch reference; tests switch this on under ``TRITON_INTERPRET=1``.)"""
+    return device.type == "cuda" and _triton_kernels() is not None
+
+
+def _triton_kernels():
+    try:
+        from . import triton_kernels
+    except ImportError:  # no Triton (a CPU machine without it, or a platform it does not ship for)
+        return None
+    return triton_kernels
+
+
+def triton_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                  req_rows: torch.Tensor, seq_lens: torch.Tensor, *, scaling: float | None, sliding_window,
+                  softcap) -> torch.Tensor:
+    """One new token per row through :func:`~astrai_hf.attention.triton_kernels.decode_attention`.
+
+    Args:
+        query: [B, H, 1, D] after RoPE.
+        k_cache, v_cache: [num_slots, H_kv, D], one layer of the pool.
+        table: ``req_to_token`` [rows, max_seq_len] int32; req_rows: [B] int64; seq_lens: [B] int32, tokens per row
+            including this step's; all three on the query's device.
+
+    Returns:
+        [B, 1, H, D] in the query's dtype.
+    """
+    D = query.shape[-1]
+    out = _triton_kernels().decode_attention(
+        query[:, :, 0].contiguous(), k_cache, v_cache, table, req_rows, seq_lens,
+        scaling=D**-0.5 if scaling is None else scaling, sliding_window=sliding_window, softcap=softcap,
+    )
+    return out.to(query.dtype)[:, None]
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -29,7 +66,9 @@ def paged_attention_forward(
 ):
     """The ``AttentionInterface`` entry: finds the step's metadata on the patched module and runs paged attention.
 
-    ``key``/``value`` and ``attention_mask`` are ignored: K/V come from the pool, masking from the metadata.
+    ``key``/``value`` and ``attention_mask`` are ignored: K/V come from the pool, masking from the metadata. A
+    decode step (one token per row) on CUDA runs the Triton split-KV kernel, as a replayed decode graph does; other
+    steps, and every step elsewhere, the torch reference.
 
     Returns:
         ``(out [B, q_len, H, D], None)``; for a packed step ``(out [1, N, H, D], None)``.
@@ -60,6 +99,12 @@ def paged_attention_forward(
         return graph_decode_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
     if meta.is_packed:
         return packed_paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
+    if (meta.q_len == 1 and meta.group == 1 and meta.write_src is None and triton_decode_on(query.device)
+            and meta.table.device == query.device):
+        # the kernel a replayed decode graph runs (graphs.py): eager and replayed steps agree to the bit
+        view = meta.on(query.device)
+        return triton_decode(query, storage.k[layer], storage.v[layer], meta.table, view.req_rows, view.seq_lens_t,
+                             **kw), None
     return paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
 
 
