@@ -9,8 +9,10 @@ logits can differ in bf16 between kernels, which the table shows rather than hid
 Decode setups, each at batch 1, 8, 32 and 64 with ``--new-tokens`` new tokens after a ``--prompt-len`` prompt:
 ``DynamicCache`` eager, ``StaticCache`` with ``torch.compile(mode="reduce-overhead")`` (compile time reported on
 its own), patched ``PagedCache`` eager, patched ``PagedCache`` with CUDA graphs (capture time per bucket), and
-transformers' ``generate_batch`` (continuous batching). The floor of a decode step is the bytes it must read
-(weights plus the KV of every row) over the device's measured copy bandwidth.
+transformers' ``generate_batch`` (continuous batching). ``--eager-new-tokens`` gives the setups that launch every
+kernel from the host fewer steps (``benchmarks/gpu_check.sh`` passes 64, which keeps the check within its time).
+The floor of a decode step is the bytes it must read (weights plus the KV of every row) over the device's measured
+copy bandwidth.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class DecodeRow:
     tok_s: float
     step_ms: float
     setup_s: float = 0.0  # compile time (StaticCache) or capture time (graphs), outside the timed run
-    same_tokens: bool = True
+    same_tokens: bool = True  # the tokens equal DynamicCache eager's (over the tokens both made)
+    new_tokens: int = 0
 
 
 @dataclass
@@ -125,10 +128,15 @@ def _timed_generate(model, ids, new_tokens: int, device, **kwargs):
 
 
 def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, results: Results,
-                compile_batches=(1, 8)) -> list[tuple[int, str, object]]:
+                compile_batches=(1, 8), eager_new_tokens: int | None = None) -> list[tuple[int, str, object]]:
     """The decode setups of every batch size as ``(batch, setup, run)``: each ``run()`` times one setup and adds
     its row to ``results.decode``. Every setup's tokens are compared with the first one run at its batch size
-    (``DynamicCache`` eager, which comes first in the list)."""
+    (``DynamicCache`` eager, which comes first in the list), over the tokens both made.
+
+    ``eager_new_tokens`` (default ``new_tokens``): new tokens of the setups that launch every kernel from the host
+    (both eager setups and ``generate_batch``), whose time per step hardly depends on the step count and which take
+    minutes at 256 tokens where launches are slow."""
+    slow_tokens = eager_new_tokens or new_tokens
     import astrai_hf
     from astrai_hf import PagePool
 
@@ -142,18 +150,20 @@ def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, r
         ids = _prompts(vocab, batch, prompt_len, device, seed=batch)
         results.floor_ms[batch] = step_floor_ms(model, batch, prompt_len + new_tokens // 2, results.bandwidth_gb_s)
 
-        def record(setup, out, timer, setup_s=0.0, batch=batch):
+        def record(setup, out, timer, setup_s=0.0, batch=batch, n=new_tokens):
             seqs = out if isinstance(out, torch.Tensor) else torch.tensor(out)
-            seqs = seqs[:, -new_tokens:].cpu()
+            seqs = seqs[:, -n:].cpu()
             reference = references.setdefault(batch, seqs)
+            both = min(n, reference.shape[1])
             tok_s = timer.decode_tok_s(batch) if timer is not None else float("nan")
             step_ms = batch / tok_s * 1e3 if tok_s == tok_s else float("nan")
-            results.decode.append(DecodeRow(batch, setup, tok_s, step_ms, setup_s, bool(torch.equal(seqs, reference))))
+            same = bool(torch.equal(seqs[:, :both], reference[:, :both]))
+            results.decode.append(DecodeRow(batch, setup, tok_s, step_ms, setup_s, same, n))
 
         def dynamic(ids=ids, record=record):
             _timed_generate(model, ids[:, :16], 4, device)
-            out, timer, _ = _timed_generate(model, ids, new_tokens, device)
-            record("DynamicCache eager", out, timer)
+            out, timer, _ = _timed_generate(model, ids, slow_tokens, device)
+            record("DynamicCache eager", out, timer, n=slow_tokens)
 
         def static_compiled(ids=ids, record=record, batch=batch):
             # generate() compiles the decode step of a StaticCache on CUDA by itself, with the default
@@ -175,9 +185,10 @@ def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, r
                 start = time.perf_counter()
                 _timed_generate(model, ids[:, :16], 4, device)  # captures the bucket (graphs)
                 capture = time.perf_counter() - start
-                out, timer, _ = _timed_generate(model, ids, new_tokens, device)
+                n = new_tokens if graphs else slow_tokens
+                out, timer, _ = _timed_generate(model, ids, n, device)
                 record("PagedCache + CUDA graphs" if graphs else "PagedCache eager", out, timer,
-                       setup_s=capture if graphs else 0.0)
+                       setup_s=capture if graphs else 0.0, n=n)
                 if graphs:
                     (runner,) = model._astrai_patch_state.runners.values()
                     results.capture_s.update({str(b): s for b, s in runner.capture_seconds.items()})
@@ -187,12 +198,12 @@ def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, r
                 results.notes.append(f"batch {batch}: {pool.stats()['num_used_pages']} pages left used")
 
         def continuous(ids=ids, record=record, batch=batch):
-            gb = _generate_batch(model, ids, new_tokens, device)
+            gb = _generate_batch(model, ids, slow_tokens, device)
             if gb is not None:
                 seqs, seconds = gb  # end to end: tok/s over all new tokens, prefill included
-                record("generate_batch (end to end)", seqs, None)
-                results.decode[-1].tok_s = batch * new_tokens / seconds
-                results.decode[-1].step_ms = seconds / new_tokens * 1e3
+                record("generate_batch (end to end)", seqs, None, n=slow_tokens)
+                results.decode[-1].tok_s = batch * slow_tokens / seconds
+                results.decode[-1].step_ms = seconds / slow_tokens * 1e3
 
         jobs.append((batch, "DynamicCache eager", dynamic))
         jobs.append((batch, "PagedCache eager", lambda paged=paged: paged(False)))
@@ -301,13 +312,15 @@ def to_markdown(r: Results) -> str:
     lines = [f"# GPU benchmark ({env.get('device', '?')}, {env.get('dtype', '?')})", "",
              f"Model: {env.get('model')}. torch {env.get('torch')}, transformers {env.get('transformers')}, "
              f"Triton {env.get('triton')}. Copy bandwidth {r.bandwidth_gb_s:.0f} GB/s.", "",
-             f"## Decode ({env.get('prompt_len')}-token prompts, {env.get('new_tokens')} new tokens)", "",
-             "| batch | setup | tok/s | ms/step | vs DynamicCache | step floor (ms) | setup time (s) | same tokens |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"## Decode ({env.get('prompt_len')}-token prompts)", "",
+             "Same tokens: as DynamicCache eager's, over the new tokens both made.", "",
+             "| batch | setup | new tokens | tok/s | ms/step | vs DynamicCache | step floor (ms) | setup time (s) | "
+             "same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
     base = {row.batch: row.tok_s for row in r.decode if row.setup == "DynamicCache eager"}
     for row in sorted(r.decode, key=lambda row: (row.batch, SETUPS.index(row.setup) if row.setup in SETUPS else 9)):
         ratio = row.tok_s / base[row.batch] if base.get(row.batch) else float("nan")
-        lines.append(f"| {row.batch} | {row.setup} | {row.tok_s:.0f} | {row.step_ms:.2f} | {ratio:.2f}x | "
+        lines.append(f"| {row.batch} | {row.setup} | {row.new_tokens} | {row.tok_s:.0f} | {row.step_ms:.2f} | {ratio:.2f}x | "
                      f"{r.floor_ms.get(row.batch, float('nan')):.3f} | {row.setup_s:.2f} | "
                      f"{'yes' if row.same_tokens else 'NO'} |")
     if r.capture_s:
@@ -340,6 +353,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--eager-new-tokens", type=int, default=0,
+                        help="new tokens of the eager setups and generate_batch (0: --new-tokens)")
     parser.add_argument("--prefill-batch", type=int, default=32, help="0 skips the packed-prefill comparison")
     parser.add_argument("--random-weights", action="store_true", help="do not look for the embedded weights")
     parser.add_argument("--budget-s", type=float, default=0.0,
@@ -373,7 +388,8 @@ def main(argv=None) -> int:
             {**asdict(results), "decode": [asdict(d) for d in results.decode]}, indent=1, default=str))
 
     deadline = began + args.budget_s if args.budget_s else None
-    jobs = decode_jobs(model, batches, args.prompt_len, args.new_tokens, args.device, results)
+    jobs = decode_jobs(model, batches, args.prompt_len, args.new_tokens, args.device, results,
+                       eager_new_tokens=args.eager_new_tokens or None)
     compiled = [j for j in jobs if j[1].startswith("StaticCache")]  # minutes of compiling each: after the rest
     phases = [(f"{name} at batch {batch}", run, 10.0) for batch, name, run in jobs if not name.startswith("StaticCache")]
     phases += [(f"{name} at batch {batch}", run, 90.0) for batch, name, run in compiled[:1]]
@@ -384,6 +400,7 @@ def main(argv=None) -> int:
     phases += [(f"{name} at batch {batch}", run, 90.0) for batch, name, run in compiled[1:]]
     for name, run, needs_s in phases:
         _run_phase(name, run, results, save, deadline, needs_s)
+    save()  # (also when every phase was skipped)
     print(to_markdown(results))
     return 0
 

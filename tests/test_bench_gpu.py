@@ -11,11 +11,21 @@ pytestmark = pytest.mark.compat  # generate_batch's config changed names between
 
 def test_gpu_bench_smoke_run(tmp_path):
     assert main(["--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--tiny", "--batches", "1,3",
-                 "--prompt-len", "8", "--new-tokens", "4", "--prefill-batch", "3"]) == 0
+                 "--prompt-len", "8", "--new-tokens", "4", "--eager-new-tokens", "3", "--prefill-batch", "3",
+                 "--budget-s", "600"]) == 0
     data = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert data["notes"] == []  # a setup that fails is only a note there: none may fail
     rows = {(r["batch"], r["setup"]) for r in data["decode"]}
     assert {(1, "DynamicCache eager"), (3, "PagedCache eager"), (3, "generate_batch (end to end)")} <= rows
     assert all(r["same_tokens"] for r in data["decode"] if r["setup"] != "generate_batch (end to end)")
     assert data["prefill"]["PagedCache, packed prefill"]["same_tokens"]
-    assert "| 3 | PagedCache eager |" in (tmp_path / "gpu_bench.md").read_text()
+    assert {r["new_tokens"] for r in data["decode"]} == {3}  # on a CPU every setup launches its kernels
+    assert "| 3 | PagedCache eager | 3 |" in (tmp_path / "gpu_bench.md").read_text()
+
+
+def test_a_phase_that_does_not_fit_the_budget_is_skipped_with_a_note(tmp_path):
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--tiny", "--batches", "1",
+                 "--prompt-len", "8", "--new-tokens", "2", "--prefill-batch", "0", "--budget-s", "1e-9"]) == 0
+    data = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert data["decode"] == []
+    assert "DynamicCache eager at batch 1: skipped, less than 10 s of the time budget left" in data["notes"]
