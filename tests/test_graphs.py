@@ -307,3 +307,41 @@ def test_decode_through_the_runner_says_nothing_stock_does_not(monkeypatch):
     out, runner = _generate(model, ids, mask, graphs=True, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, ref) and runner.replays > 0
     assert said == []
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "runner"])
+def test_a_decode_step_reads_nothing_back_from_the_device_in_astrai_hf_code(monkeypatch, graphs):
+    """Host reads of tensor values (``item()``, ``tolist()``, ``bool()``, ``torch.equal``, ``nonzero``) made by
+    astrai-hf's own code, counted over a call of 3 new tokens and one of 9: a decode step adds none (on a GPU each
+    would wait for the device; generate()'s own stopping check is transformers' and not counted)."""
+    import collections
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = collections.Counter()
+
+    def note():
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            if "astrai_hf" in frame.filename or "transformers" in frame.filename:
+                if "astrai_hf" in frame.filename:
+                    reads[f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
+                return
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("_local_scalar_dense", "equal", "nonzero", "is_nonzero"):
+                note()
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (note(), tolist(self))[1])
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 7, 5], seed=4)
+    counts = []
+    for new in (3, 9):
+        reads.clear()
+        with Reads():
+            _generate(model, ids, mask, graphs=graphs, do_sample=False, max_new_tokens=new, min_new_tokens=new)
+        counts.append(dict(reads))
+    assert counts[0] == counts[1]
