@@ -215,14 +215,6 @@ def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, r
     return jobs
 
 
-def decode_suite(model, batches, prompt_len: int, new_tokens: int, device: str, results: Results,
-                 compile_batches=(1, 8), save=None) -> None:
-    """Decode tokens/s of every setup at each batch size, in the order of :func:`decode_jobs`. A setup that fails
-    is a note, not the end of the run; ``save()`` (when given) writes the results so far after each setup."""
-    for batch, name, run in decode_jobs(model, batches, prompt_len, new_tokens, device, results, compile_batches):
-        _run_phase(f"{name} at batch {batch}", run, results, save)
-
-
 def _run_phase(name: str, run, results: Results, save=None, deadline: float | None = None,
                needs_s: float = 0.0) -> None:
     """Run one phase; a failure is a note, not a crash of the whole check. With a ``deadline``

@@ -834,16 +834,17 @@ class PagedCache(Cache):
         # every index the step sends to the device travels in one host-to-device copy (on an accelerator each copy is
         # a call into the driver, and a decode step replayed from a graph has little else to do on the host)
         ids_from_input = input_ids is not None and bool(new_rows)
-        if not ids_from_input:
-            new_rows, new_cols = id_rows, id_cols
-        parts = [w_rows, w_cols, w_slots, new_slots, src if len(src) != B * q else [], new_rows, new_cols,
-                 [] if ids_from_input else id_vals, rows.req_rows if group == 1 else []]
+        if ids_from_input:  # the token ids of the new columns come from the input, on the device already
+            id_rows, id_cols, id_vals = new_rows, new_cols, []
+        some_columns = len(src) != B * q  # padding columns: write_src picks the real ones
+        parts = [w_rows, w_cols, w_slots, new_slots, src if some_columns else [], id_rows, id_cols, id_vals,
+                 rows.req_rows if group == 1 else []]
         staged = torch.tensor([v for part in parts for v in part], dtype=torch.long).to(dev, non_blocking=True)
         (w_rows_t, w_cols_t, w_slots_t, slot_mapping, src_t, id_rows_t, id_cols_t, id_vals_t,
          req_rows) = staged.split([len(part) for part in parts])
         if w_slots:
             table.write(w_rows_t, w_cols_t, w_slots_t)
-        write_src = None if len(src) == B * q else src_t
+        write_src = src_t if some_columns else None
         if ids_from_input:
             flat = input_ids.reshape(-1).to(dev)
             table.write_ids(id_rows_t, id_cols_t, flat if write_src is None else flat[write_src])

@@ -6,6 +6,8 @@ variant and changes how it prepares inputs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 
@@ -22,6 +24,7 @@ def triton_decode_on(device: torch.device) -> bool:
     return device.type == "cuda" and _triton_kernels() is not None
 
 
+@functools.cache  # (asked once per layer and step)
 def _triton_kernels():
     try:
         from . import triton_kernels
