@@ -134,7 +134,7 @@ PATCH_STATE_ATTR = "_astrai_patch_state"  # where patch() keeps a patched model'
 def autocast_on(pool: PagePool) -> bool:
     """Whether ``torch.autocast`` is on for a device type the pool's layers are on (a type autocast does not know,
     such as meta, has it off)."""
-    for device_type in {d.type for d in pool.config.layer_devices}:
+    for device_type in pool.device_types:
         try:
             if torch.is_autocast_enabled(device_type):
                 return True
@@ -838,10 +838,10 @@ class PagedCache(Cache):
             id_rows, id_cols, id_vals = new_rows, new_cols, []
         some_columns = len(src) != B * q  # padding columns: write_src picks the real ones
         parts = [w_rows, w_cols, w_slots, new_slots, src if some_columns else [], id_rows, id_cols, id_vals,
-                 rows.req_rows if group == 1 else []]
+                 rows.req_rows if group == 1 else [], seq if group == 1 else []]
         staged = torch.tensor([v for part in parts for v in part], dtype=torch.long).to(dev, non_blocking=True)
         (w_rows_t, w_cols_t, w_slots_t, slot_mapping, src_t, id_rows_t, id_cols_t, id_vals_t,
-         req_rows) = staged.split([len(part) for part in parts])
+         req_rows, seq_lens_t) = staged.split([len(part) for part in parts])
         if w_slots:
             table.write(w_rows_t, w_cols_t, w_slots_t)
         write_src = src_t if some_columns else None
@@ -871,6 +871,7 @@ class PagedCache(Cache):
             write_src=write_src,
             group=group,
             row_starts=rows.contiguous_starts(),
+            seq_lens_dev=seq_lens_t if group == 1 else None,
         )
 
     def _cow_pages(self, prev: list[int], seq: list[int]) -> dict[int, list[int]]:

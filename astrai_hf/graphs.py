@@ -17,6 +17,7 @@ Without CUDA (tests), the same runner works as a stand-in: "capture" runs the fo
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import weakref
@@ -65,7 +66,8 @@ class DecodeWorkspace:
             position_ids = torch.tensor(step.prev_lens, dtype=torch.long).view(B, 1)
         self.position_ids[:B].copy_(position_ids.expand(B, 1), non_blocking=True)
         self.req_rows[:B].copy_(step.req_rows, non_blocking=True)
-        self.seq_lens[:B].copy_(torch.tensor(step.seq_lens, dtype=torch.int32), non_blocking=True)
+        seq_lens = step.seq_lens_dev if step.seq_lens_dev is not None else torch.tensor(step.seq_lens)
+        self.seq_lens[:B].copy_(seq_lens, non_blocking=True)
         self.slot_mapping[:B].copy_(step.slot_mapping, non_blocking=True)
         if self.filled > B:  # (past the bucket too: one pad of every stale row, then none while B stays)
             self.pad(B, self.filled)
@@ -151,6 +153,17 @@ def length_readers(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _output_for_caller(out, logits: torch.Tensor, cache):
+    """A new ModelOutput of ``out``'s class and keys, with ``logits`` and ``cache`` in place of the captured ones (a
+    caller keeping an output of an earlier step sees it unchanged). Built item by item: its class's ``__init__``
+    checks every field and costs several times more, at every decode step."""
+    result = out.__class__.__new__(out.__class__)
+    collections.OrderedDict.__init__(result)
+    for name, value in out.items():
+        result[name] = logits if name == "logits" else cache if name in ("cache", "past_key_values") else value
+    return result
+
+
 class DecodeGraphRunner:
     """Runs the decode steps of a patched model from per-bucket graphs over one :class:`DecodeWorkspace`.
 
@@ -231,12 +244,7 @@ class DecodeGraphRunner:
         self.replays += 1
         if cache._pending_known is not None:  # every layer stored this step (a replay runs no Python)
             cache._rows.known, cache._pending_known = cache._pending_known, None
-        result = out.__class__(**{k: v for k, v in out.items()})
-        result["logits"] = out["logits"][:B].clone()
-        for name in ("cache", "past_key_values"):
-            if name in result.keys():  # not `in result`: 5.24's ModelOutput warns of the old name on that test
-                result[name] = cache
-        return result
+        return _output_for_caller(out, out["logits"][:B].clone(), cache)
 
     def capture_all(self, cache, kwargs: dict, state) -> dict[int, float]:
         """Capture every bucket not captured yet, largest first, with every row padded (rows read the trash row

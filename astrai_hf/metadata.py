@@ -41,6 +41,8 @@ class StepMetadata:
         row_starts: None, or per row the slot of its token 0 when its ``seq_lens[r]`` tokens occupy consecutive
             slots (``[start, start + seq_lens[r])``), else None. Attention may then read the row's K/V as a view
             of the pool instead of gathering them through the table.
+        seq_lens_dev: None, or ``seq_lens`` as [B] int64 on the table's device, sent with the step's other indices
+            (a decode step's attention and graph workspace read them there).
     """
 
     q_len: int
@@ -55,6 +57,7 @@ class StepMetadata:
     group: int = 1
     qo_lens: list[int] | None = None
     row_starts: list[int | None] | None = None
+    seq_lens_dev: torch.Tensor | None = None
     _views: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -248,7 +251,10 @@ class DeviceView:
     def seq_lens_t(self) -> torch.Tensor:
         """[B] int32 on this device: ``meta.seq_lens``, tokens per row after this step."""
         if self._seq_lens_t is None:
-            self._seq_lens_t = torch.tensor(self.meta.seq_lens, dtype=torch.int32).to(self.device, non_blocking=True)
+            sent = self.meta.seq_lens_dev
+            if sent is None:
+                sent = torch.tensor(self.meta.seq_lens)
+            self._seq_lens_t = sent.to(self.device, torch.int32, non_blocking=True)
         return self._seq_lens_t
 
     def rows_index(self, rows: list[int]) -> torch.Tensor:

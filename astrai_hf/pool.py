@@ -120,6 +120,7 @@ class PagePool:
             layer_devices=layer_devices,
         )
         self.allocator = PageAllocator(self.config.num_pages, first_page=TRASH_PAGE + 1)
+        self.device_types = tuple(dict.fromkeys(d.type for d in layer_devices))  # ("cuda",), ("cuda", "cpu"), ...
         # Plain tensors even when the pool is made under torch.inference_mode(): inference tensors could not be
         # written by a later generate() outside that mode.
         devices = ", ".join(sorted({str(d) for d in layer_devices}))
@@ -161,15 +162,21 @@ class PagePool:
         books are consistent again (:func:`~astrai_hf.interrupts.interrupts_deferred`). A cache that the garbage
         collector finalises meanwhile, in this thread or another, does not wait or cut in: its rows are returned
         when the outermost block is entered or left (:meth:`release_later`)."""
-        with self.books_lock, interrupts_deferred():
-            if not self.books_depth:
+        with self.books_lock:
+            if self.books_depth:  # nested in a block this thread holds (the lock is reentrant): that one defers Ctrl-C
+                self.books_depth += 1
+                try:
+                    yield
+                finally:
+                    self.books_depth -= 1
+                return
+            with interrupts_deferred():
                 self._release_collected()
-            self.books_depth += 1
-            try:
-                yield
-            finally:
-                self.books_depth -= 1
-                if not self.books_depth:
+                self.books_depth += 1
+                try:
+                    yield
+                finally:
+                    self.books_depth -= 1
                     self._release_collected()
 
     def release_later(self, holder) -> None:
@@ -376,6 +383,8 @@ class PagePool:
                 leaves, cannot free) were counted on: the exact count is taken only then, as it walks the tree.
                 Caches that are garbage but not yet collected are released first (:meth:`release_garbage_caches`).
         """
+        if num_pages <= 0:  # (a decode step whose rows have room: most steps)
+            return
         with self.books():
             error = self._make_free(num_pages)
             if error is not None and collect_garbage and self.release_garbage_caches():

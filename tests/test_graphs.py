@@ -99,7 +99,9 @@ def test_workspace_pads_only_rows_a_larger_batch_wrote():
     ws.pad = lambda start, stop: (pads.append((start, stop)), real_pad(start, stop))
 
     def step(B, base):
+        # (lengths sent with the step's indices, as a patched step's are, or only on the host)
         meta = types.SimpleNamespace(prev_lens=[base] * B, seq_lens=[base + 1] * B,
+                                     seq_lens_dev=torch.full((B,), base + 1) if base % 2 else None,
                                      req_rows=torch.arange(B), slot_mapping=torch.arange(B) + 100)
         ws.fill(meta, torch.full((B, 1), 7), None, next(b for b in (1, 2, 4, 8) if b >= B))
 
