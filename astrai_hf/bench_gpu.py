@@ -12,7 +12,8 @@ its own), patched ``PagedCache`` eager, patched ``PagedCache`` with CUDA graphs 
 transformers' ``generate_batch`` (continuous batching). ``--eager-new-tokens`` gives the setups that launch every
 kernel from the host fewer steps (``benchmarks/gpu_check.sh`` passes 64, which keeps the check within its time).
 The floor of a decode step is the bytes it must read (weights plus the KV of every row) over the device's measured
-copy bandwidth.
+copy bandwidth. A step through graphs is also taken apart (:func:`step_breakdown`): the replay alone on the device,
+``generate()``'s own loop on the host, and what astrai-hf adds on the host.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Results:
     capture_s: dict = field(default_factory=dict)  # bucket -> seconds (lazy capture inside generate())
     capture_all_s: dict = field(default_factory=dict)  # bucket -> seconds (astrai_hf.capture_graphs, largest first)
     prefill: dict = field(default_factory=dict)  # setup -> {"seconds": .., "same_tokens": ..}
+    breakdown: dict = field(default_factory=dict)  # batch -> where a graph step's time goes (see step_breakdown)
     notes: list[str] = field(default_factory=list)
 
 
@@ -215,6 +217,90 @@ def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, r
     return jobs
 
 
+class _NoReplay:
+    """Stands in for a captured graph whose replay costs nothing: what is left of a step is host work."""
+
+    def replay(self) -> None:
+        pass
+
+
+def step_breakdown(model, batch: int, prompt_len: int, new_tokens: int, device: str, results: Results) -> None:
+    """Where the time of a decode step through the CUDA-graph runner goes, at ``batch`` rows, in ms per step:
+
+    - ``replay_ms``: the bucket's graph replayed back to back, timed on the device (CUDA events; None elsewhere);
+    - ``generate_loop_ms``: ``generate()``'s own work around the forward (logits processing, stopping, streamer),
+      measured with the unpatched model's forward replaced by one that returns fixed logits at once;
+    - ``astrai_host_ms``: what the patched forward adds on the host (planning the step, the workspace copies, the
+      output), measured with the graph's replay replaced by one that does nothing, less ``generate_loop_ms``.
+
+    A step through graphs takes about the sum when every step waits for the device (``generate()`` reads whether
+    rows have finished at each step)."""
+    import functools
+
+    import astrai_hf
+    from astrai_hf import PagePool
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    ids = _prompts(model.config.vocab_size, batch, prompt_len, device, seed=batch)
+    logits = torch.zeros(batch, 1, model.config.vocab_size, dtype=model.dtype, device=device)
+    own_forward = model.forward
+
+    @functools.wraps(own_forward)  # (generate() reads the forward's signature)
+    def free_forward(*args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def step_ms(runs: int = 3) -> float:  # the fastest of a few runs: host timings on a busy machine are noisy
+        return min(batch / _timed_generate(model, ids, new_tokens, device)[1].decode_tok_s(batch) * 1e3
+                   for _ in range(runs))
+
+    model.forward = free_forward
+    try:
+        _timed_generate(model, ids, 4, device)
+        loop_ms = step_ms()
+    finally:
+        del model.forward
+    pool = PagePool.from_model(model, max_tokens=batch * (prompt_len + new_tokens + 16), page_size=16,
+                               prefix_cache=False)
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        _timed_generate(model, ids, 4, device)  # makes the runner and captures the bucket
+        (runner,) = model._astrai_patch_state.runners.values()
+        bucket = runner.bucket_for(batch)
+        graph, static_out, gstep = runner.graphs[bucket]
+        if static_out is None:  # the CPU stand-in runs the forward at every step: keep an output of it
+            outputs, forward = [], runner.forward
+            runner.forward = lambda *args, **kwargs: outputs.append(forward(*args, **kwargs)) or outputs[-1]
+            try:
+                _timed_generate(model, ids, 2, device)
+            finally:
+                runner.forward = forward
+            static_out = outputs[-1]
+        replay_ms = None
+        if graph is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 50
+            graph.replay()
+            start.record()
+            for _ in range(n):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            replay_ms = start.elapsed_time(end) / n
+        entry = runner.graphs[bucket]
+        runner.graphs[bucket] = (_NoReplay(), static_out, gstep)
+        try:
+            host_ms = step_ms()
+        finally:
+            runner.graphs[bucket] = entry
+    finally:
+        astrai_hf.unpatch(model)
+    if pool.stats()["num_used_pages"] != 0:
+        results.notes.append(f"step breakdown at batch {batch}: {pool.stats()['num_used_pages']} pages left used")
+    results.breakdown[str(batch)] = {"replay_ms": replay_ms, "generate_loop_ms": loop_ms,
+                                     "astrai_host_ms": host_ms - loop_ms, "bucket": bucket}
+
+
 def _run_phase(name: str, run, results: Results, save=None, deadline: float | None = None,
                needs_s: float = 0.0) -> None:
     """Run one phase; a failure is a note, not a crash of the whole check. With a ``deadline``
@@ -322,6 +408,21 @@ def to_markdown(r: Results) -> str:
         total = sum(r.capture_all_s.values())
         lines += ["", f"All buckets captured up front, largest first (`astrai_hf.capture_graphs`), {total:.2f} s in all "
                       "(s): " + ", ".join(f"{b}: {s:.3f}" for b, s in r.capture_all_s.items())]
+    if r.breakdown:
+        lines += ["", "## Where a decode step through CUDA graphs spends its time (ms per step)", "",
+                  "Replay: the bucket's graph alone, on the device. generate() loop: generate()'s own host work "
+                  "(the forward returning at once). astrai-hf host: what the patched forward adds on the host (the "
+                  "replay doing nothing). Measured step: the graphs row of the decode table.", "",
+                  "| batch | bucket | replay (device) | generate() loop (host) | astrai-hf (host) | sum | measured step |",
+                  "|---|---|---|---|---|---|---|"]
+        steps = {row.batch: row.step_ms for row in r.decode if row.setup == "PagedCache + CUDA graphs"}
+        for b, v in sorted(r.breakdown.items(), key=lambda kv: int(kv[0])):
+            replay = v["replay_ms"]
+            total = (replay or 0.0) + v["generate_loop_ms"] + v["astrai_host_ms"]
+            lines.append(f"| {b} | {v['bucket']} | {'n/a' if replay is None else f'{replay:.3f}'} | "
+                         f"{v['generate_loop_ms']:.3f} | {v['astrai_host_ms']:.3f} | "
+                         f"{'n/a' if replay is None else f'{total:.3f}'} | "
+                         f"{steps.get(int(b), float('nan')):.3f} |")
     if r.prefill:
         shape = r.prefill.get("_shape", {})
         lines += ["", f"## Packed prefill (batch {shape.get('batch')}, prompts {min(shape.get('lengths', [0]))}-"
@@ -384,11 +485,16 @@ def main(argv=None) -> int:
                        eager_new_tokens=args.eager_new_tokens or None)
     compiled = [j for j in jobs if j[1].startswith("StaticCache")]  # minutes of compiling each: after the rest
     phases = [(f"{name} at batch {batch}", run, 10.0) for batch, name, run in jobs if not name.startswith("StaticCache")]
+    breakdowns = [(f"step breakdown at batch {batch}",
+                   lambda batch=batch: step_breakdown(model, batch, args.prompt_len, args.new_tokens, args.device,
+                                                      results), 10.0) for batch in batches]
+    phases += breakdowns[:1]
     phases += [(f"{name} at batch {batch}", run, 90.0) for batch, name, run in compiled[:1]]
     phases.append(("capture_graphs", lambda: capture_suite(model, args.device, results), 15.0))
     if args.prefill_batch:
         phases.append(("packed prefill", lambda: prefill_suite(model, args.prefill_batch, 16, args.device, results),
                        30.0))
+    phases += breakdowns[1:]
     phases += [(f"{name} at batch {batch}", run, 90.0) for batch, name, run in compiled[1:]]
     for name, run, needs_s in phases:
         _run_phase(name, run, results, save, deadline, needs_s)

@@ -29,3 +29,16 @@ def test_a_phase_that_does_not_fit_the_budget_is_skipped_with_a_note(tmp_path):
     data = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert data["decode"] == []
     assert "DynamicCache eager at batch 1: skipped, less than 10 s of the time budget left" in data["notes"]
+
+
+def test_the_step_breakdown_separates_generates_loop_from_astrai_hfs_host_work(tmp_path):
+    """On a CPU the graphs are the stand-in (no device time to read), and the host parts are measured as on a GPU:
+    generate()'s loop with a forward that returns at once, and the patched forward with a replay that does nothing."""
+    assert main(["--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--tiny", "--batches", "2",
+                 "--prompt-len", "8", "--new-tokens", "6", "--prefill-batch", "0"]) == 0
+    data = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert data["notes"] == []
+    part = data["breakdown"]["2"]
+    assert part["bucket"] == 2 and part["replay_ms"] is None
+    assert 0 < part["generate_loop_ms"] < 1e3 and -1e3 < part["astrai_host_ms"] < 1e3
+    assert "| 2 | 2 | n/a |" in (tmp_path / "gpu_bench.md").read_text()
