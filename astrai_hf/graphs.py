@@ -112,9 +112,9 @@ def graph_decode_attention(query, k_cache, v_cache, step: GraphStep, *, scaling,
     Args:
         query: [B, H, 1, D]. Returns [B, 1, H, D] in the query's dtype.
     """
-    from .attention import triton_decode, triton_decode_on
+    from .attention import triton_decode, triton_on
 
-    if triton_decode_on(query.device):  # the kernel eager decode runs too (attention/__init__.py)
+    if triton_on(query.device):  # the kernel eager decode runs too (attention/__init__.py)
         return triton_decode(query, k_cache, v_cache, step.table, step.req_rows, step.seq_lens_t,
                              scaling=scaling, sliding_window=sliding_window, softcap=softcap)
     B, H, _, D = query.shape
@@ -287,22 +287,27 @@ class DecodeGraphRunner:
         import gc
         import time
 
+        from .attention import on_device
+
         start = time.perf_counter()
         # a PagedCache collected mid-capture would free its table rows with host-to-device copies, which break
         # the capture (or land in the graph): no garbage collection until the graph is captured
         collecting = gc.isenabled()
         gc.disable()
+        # on the pool's device, also when another one is current (a model on cuda:1): the streams below must be the
+        # ones its kernels run on (a replay sets the device it was captured on by itself)
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
-                self._forward(bucket, cache, kwargs, state, gstep)
-            torch.cuda.current_stream().wait_stream(side)
-            if self._mempool is None:
-                self._mempool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                static_out = self._forward(bucket, cache, kwargs, state, gstep)
+            with on_device(self.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
+                    self._forward(bucket, cache, kwargs, state, gstep)
+                torch.cuda.current_stream().wait_stream(side)
+                if self._mempool is None:
+                    self._mempool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._mempool):
+                    static_out = self._forward(bucket, cache, kwargs, state, gstep)
         finally:
             if collecting:
                 gc.enable()

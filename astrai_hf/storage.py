@@ -62,7 +62,12 @@ class KVStorage:
             slots: [N] int64 on the layer's device, destination slot of each token.
             key, value: [N, num_kv_heads, head_dim] in the pool's dtype, on the layer's device.
         """
+        from .attention import triton_on, triton_store  # (not at the top: attention imports this module)
+
         with torch.no_grad():  # the pool is no part of any autograd graph (it outlives every forward)
+            if triton_on(slots.device):
+                triton_store(slots, key, value, self.k[layer_idx], self.v[layer_idx])
+                return
             self.k[layer_idx].index_copy_(0, slots, key)
             self.v[layer_idx].index_copy_(0, slots, value)
 

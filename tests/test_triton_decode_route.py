@@ -16,8 +16,22 @@ NEW = 5
 
 
 @pytest.fixture
+def store_calls(monkeypatch):
+    """Tokens of each launch of the Triton K/V store (with the route switched on by ``kernel_calls``)."""
+    calls = []
+    store = triton_kernels.store_kv
+
+    def counted(key, *args, **kwargs):
+        calls.append(key.shape[0])
+        return store(key, *args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "store_kv", counted)
+    return calls
+
+
+@pytest.fixture
 def kernel_calls(monkeypatch):
-    """Route decode steps on any device through the Triton kernel; count its launches."""
+    """Route decode steps and K/V stores on any device through the Triton kernels; count the decode launches."""
     calls = []
     decode = triton_kernels.decode_attention
 
@@ -25,7 +39,7 @@ def kernel_calls(monkeypatch):
         calls.append(args[0].shape[0])
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "triton_decode_on", lambda device: True)
+    monkeypatch.setattr(attention, "triton_on", lambda device: True)
     monkeypatch.setattr(triton_kernels, "decode_attention", counted)
     return calls
 
@@ -42,13 +56,13 @@ def _generate(model, ids, mask, graphs, **kwargs):
 
 
 def test_the_route_is_on_for_cuda_only_by_default():
-    assert not attention.triton_decode_on(torch.device("cpu"))
-    assert attention.triton_decode_on(torch.device("cuda", 0))  # (the module imports: triton is installed here)
+    assert not attention.triton_on(torch.device("cpu"))
+    assert attention.triton_on(torch.device("cuda", 0))  # (the module imports: triton is installed here)
 
 
 # GQA (llama), MQA with a window (mistral), a window on some layers (qwen2), softcap with a window (gemma2)
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2"])
-def test_eager_decode_through_the_kernel_equals_stock_and_the_runner(arch, kernel_calls):
+def test_eager_decode_through_the_kernel_equals_stock_and_the_runner(arch, kernel_calls, store_calls):
     model = tiny_model(arch)
     ids, mask = left_padded_batch([3, 9, 6], seed=2)
     stock = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
@@ -56,9 +70,13 @@ def test_eager_decode_through_the_kernel_equals_stock_and_the_runner(arch, kerne
     eager = _generate(model, ids, mask, graphs=False)
     layers = model.config.num_hidden_layers
     assert kernel_calls == [3] * (NEW - 1) * layers  # every decode step of every layer, at the batch's size
+    # one store launch (K and V) per layer and forward: the prompt's 18 real tokens, then a token per row and step
+    assert sum(store_calls) == 18 * layers + 3 * (NEW - 1) * layers and store_calls[-layers:] == [3] * layers
     kernel_calls.clear()
+    store_calls.clear()
     runner = _generate(model, ids, mask, graphs=True)
     assert kernel_calls == [4] * (NEW - 1) * layers  # the runner's steps, padded to bucket 4
+    assert store_calls[-(NEW - 1) * layers:] == [4] * (NEW - 1) * layers  # (the padded row writes the trash slot)
     assert torch.equal(eager.sequences, stock.sequences)
     assert torch.equal(runner.sequences, eager.sequences)
     for got, want in zip(eager.logits, stock.logits):
@@ -80,3 +98,16 @@ def test_steps_the_kernel_does_not_take_stay_on_the_reference(kernel_calls):
     assert torch.equal(got, want)
     assert kernel_calls and all(b == 6 for b in kernel_calls)  # 2 prompts x 3 beams, one token each
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_kernels_launch_on_the_device_of_their_tensors(monkeypatch):
+    """Triton launches on the current CUDA device, whatever device the tensors are on: a model on cuda:1 while
+    cuda:0 is current gets cuda:1 made current around its launches (and its graph captures); nothing changes
+    where the device is already current, or off CUDA."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert isinstance(attention.on_device(torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(attention.on_device(torch.device("cuda", 0)), contextlib.nullcontext)
+    switch = attention.on_device(torch.device("cuda", 1))
+    assert isinstance(switch, torch.cuda.device) and switch.idx == 1

@@ -45,6 +45,39 @@ def test_decode_matches_reference(case, variant, num_splits, memory):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("given", ["out_dtype", "out buffer"])
+def test_decode_rounds_to_a_16_bit_output_as_torch_does(dtype, given):
+    """The merge writes a bf16/fp16 output itself (no cast launched after the kernel): the float32 result rounded to
+    nearest even, as ``Tensor.to`` rounds it, to the bit."""
+    seq = [1, 9, 30, 5]
+    k_cache, v_cache, _, _, meta, _ = _build([s - 1 for s in seq], [1] * len(seq), 1, 2, 8, PAGE, dtype, 7)
+    query = (torch.randn(len(seq), 6, 8, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    args = (query, k_cache, v_cache, meta.table, meta.req_rows, torch.tensor(seq, dtype=torch.int32))
+    kw = dict(scaling=0.35, num_splits=4)
+    want = tk.decode_attention(*args, **kw)
+    assert want.dtype == torch.float32
+    got = tk.decode_attention(*args, **kw, **({"out_dtype": dtype} if given == "out_dtype" else
+                                              {"out": torch.empty(len(seq), 6, 8, dtype=dtype)}))
+    assert got.dtype == dtype
+    assert torch.equal(got, want.to(dtype))
+    assert (want.to(dtype).float() != want).any()  # (the rounding is exercised)
+
+
+def test_decode_rounds_ties_to_even_and_keeps_infinities_and_nan_in_bfloat16():
+    """One key per row: the output is that key's V, so chosen float32 values reach the rounding as they are."""
+    values = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.4e38, float("inf"), float("-inf"), float("nan"),
+                           1e-40])  # ties both ways, a finite value past bfloat16's largest, a subnormal
+    k_cache, v_cache = torch.zeros(8, 1, 8), torch.zeros(8, 1, 8)
+    v_cache[4, 0] = values
+    table = torch.full((1, 4), 4, dtype=torch.int32)
+    got = tk.decode_attention(torch.ones(1, 1, 8), k_cache, v_cache, table, torch.zeros(1, dtype=torch.long),
+                              torch.ones(1, dtype=torch.int32), scaling=1.0, out_dtype=torch.bfloat16)
+    want = values.to(torch.bfloat16)
+    assert torch.equal(got[0, 0].view(torch.int16)[:6], want.view(torch.int16)[:6])
+    assert got[0, 0, 6].isnan() and torch.equal(got[0, 0, 7:].float(), want[7:].float())
+
+
 EXTEND_CASES = {
     "prefill from empty": ([0, 0], [5, PAGE + 1]),
     "extend over a cached prefix": ([PAGE - 1, 7, 0], [2, PAGE, 9]),
@@ -161,7 +194,7 @@ def test_kernels_refuse_inputs_their_pointers_would_misread(case, kernel):
 
 
 @pytest.mark.parametrize("case", ["softcap 0", "num_splits 0", "workspace of fewer splits", "out of another shape",
-                                  "max_q_len below the mean"])
+                                  "out of an integer dtype", "max_q_len below the mean"])
 def test_kernels_refuse_settings_and_buffers_they_would_misuse(case):
     # each had run: a softcap of 0 as 1.0 (the reference divides by it), no splits to NaN, a workspace of 2 splits
     # written as 8 (heap corruption), queries past max_q_len left at 0
@@ -169,6 +202,7 @@ def test_kernels_refuse_settings_and_buffers_they_would_misuse(case):
     lens = torch.tensor([10, 3], dtype=torch.int32)
     decode = dict(scaling=0.5)
     message = {"softcap 0": "softcap must be a positive", "num_splits 0": "num_splits must be a positive int",
+               "out of an integer dtype": r"out must be a contiguous float32 or float16 or bfloat16 tensor",
                "workspace of fewer splits": r"workspace\[0\] \(mid_o\) must be .* shape \(2, 4, 8, 8\)",
                "out of another shape": r"out must be .* shape \(2, 4, 8\)",
                "max_q_len below the mean": "max_q_len must be an int of at least the 6 queries' mean over 2 rows"}[case]
@@ -185,6 +219,9 @@ def test_kernels_refuse_settings_and_buffers_they_would_misuse(case):
         elif case == "workspace of fewer splits":
             tk.decode_attention(torch.randn(2, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens, num_splits=8,
                                 workspace=(torch.empty(2, 4, 2, 8), torch.empty(2, 4, 2)), **decode)
+        elif case == "out of an integer dtype":
+            tk.decode_attention(torch.randn(2, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens,
+                                out=torch.empty(2, 4, 8, dtype=torch.int32), **decode)
         else:
             tk.decode_attention(torch.randn(2, 4, 8), k_cache, v_cache, meta.table, meta.req_rows, lens,
                                 out=torch.empty(2, 8, 4), **decode)

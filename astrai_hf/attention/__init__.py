@@ -6,6 +6,7 @@ variant and changes how it prepares inputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -17,11 +18,21 @@ ATTENTION_NAME = "astrai_paged"
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
 
 
-def triton_decode_on(device: torch.device) -> bool:
-    """Whether decode steps on ``device`` run the Triton split-KV kernel: on CUDA where Triton imports. Eager decode
-    and a replayed decode graph then do the same arithmetic, so ``cuda_graphs`` on or off gives the same tokens.
-    (Elsewhere both run the torch reference; tests switch this on under ``TRITON_INTERPRET=1``.)"""
+def triton_on(device: torch.device) -> bool:
+    """Whether steps on ``device`` run the Triton kernels: decode attention (the split-KV kernel) and the K/V store
+    (one launch for K and V); on CUDA where Triton imports. Eager decode and a replayed decode graph then do the same
+    arithmetic, so ``cuda_graphs`` on or off gives the same tokens. (Elsewhere both run the torch reference; tests
+    switch this on under ``TRITON_INTERPRET=1``.)"""
     return device.type == "cuda" and _triton_kernels() is not None
+
+
+def on_device(device: torch.device):
+    """A context making ``device`` the current CUDA device where it is not (Triton launches a kernel, and a CUDA
+    graph is captured and replayed, on the current device, whatever device the tensors are on: a model on
+    ``cuda:1`` while ``cuda:0`` is current would have its kernels launched on the wrong device); else a no-op."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 @functools.cache  # (asked once per layer and step)
@@ -48,11 +59,26 @@ def triton_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         [B, 1, H, D] in the query's dtype.
     """
     D = query.shape[-1]
-    out = _triton_kernels().decode_attention(
-        query[:, :, 0].contiguous(), k_cache, v_cache, table, req_rows, seq_lens,
-        scaling=D**-0.5 if scaling is None else scaling, sliding_window=sliding_window, softcap=softcap,
-    )
-    return out.to(query.dtype)[:, None]
+    with on_device(query.device):
+        out = _triton_kernels().decode_attention(
+            query[:, :, 0].contiguous(), k_cache, v_cache, table, req_rows, seq_lens,
+            scaling=D**-0.5 if scaling is None else scaling, sliding_window=sliding_window, softcap=softcap,
+            out_dtype=query.dtype,  # (rounded in the kernel: no cast launched after it)
+        )
+    return out[:, None]
+
+
+def triton_store(slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> None:
+    """``k_cache[slot_mapping[i]] = key[i]`` and the same for V, in one launch of
+    :func:`~astrai_hf.attention.triton_kernels.store_kv` (two ``index_copy_`` otherwise).
+
+    Args:
+        slot_mapping: [N] int64; key, value: [N, H_kv, D] in the cache's dtype; k_cache, v_cache: [num_slots, H_kv,
+            D], one layer of the pool; all on one CUDA device.
+    """
+    with on_device(key.device):
+        _triton_kernels().store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention_forward(
@@ -102,7 +128,7 @@ def paged_attention_forward(
         return graph_decode_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
     if meta.is_packed:
         return packed_paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
-    if (meta.q_len == 1 and meta.group == 1 and meta.write_src is None and triton_decode_on(query.device)
+    if (meta.q_len == 1 and meta.group == 1 and meta.write_src is None and triton_on(query.device)
             and meta.table.device == query.device):
         # the kernel a replayed decode graph runs (graphs.py): eager and replayed steps agree to the bit
         view = meta.on(query.device)

@@ -87,9 +87,13 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous float32 tensor of shape {shape}, got {t.dtype} "
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes=(torch.float32,)) -> None:
+    if tuple(t.shape) != shape or t.dtype not in dtypes or not t.is_contiguous():
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be a contiguous {names} tensor of shape {shape}, got {t.dtype} "
                          f"{tuple(t.shape)} with strides {t.stride()}")
 
 
@@ -181,7 +185,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
     bh = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -192,7 +196,15 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, D: tl.constexpr, NUM_S
     o = tl.load(mid_o_ptr + (bh * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d < D)[None, :],
                 other=0.0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + bh * D + d, out, mask=d < D)
+    if OUT_BF16:
+        # float32 -> bfloat16 rounded to nearest, ties to even, on the bits (as torch rounds it; Triton's interpreter
+        # would truncate), then stored through an int16 view of the output
+        bits = out.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(out != out, (bits >> 16) | 0x40, rounded)  # NaN stays a (quiet) NaN
+        tl.store(out_ptr + bh * D + d, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=d < D)
+    else:
+        tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def decode_attention(
@@ -209,6 +221,7 @@ def decode_attention(
     num_splits: int = DEFAULT_NUM_SPLITS,
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One query token per row over that row's paged keys ``0 .. seq_lens[b] - 1`` (the query is the last one).
 
@@ -222,16 +235,20 @@ def decode_attention(
         sliding_window: keys ``t > seq_len - 1 - sliding_window`` only, or None.
         softcap: Gemma2 logit soft-capping, or None.
         num_splits: KV splits per (row, KV head); fixed, so the grid never depends on lengths.
-        out: optional [B, H, D] float32 output buffer (fixed address for graph capture).
+        out: optional [B, H, D] output buffer (fixed address for graph capture), float32, float16 or bfloat16.
         workspace: optional ``(mid_o [B, H, num_splits, D], mid_lse [B, H, num_splits])`` float32 scratch.
+        out_dtype: the dtype of the output made when ``out`` is not given. Attention is accumulated in float32
+            either way; the merge rounds it to a 16-bit ``out`` (to nearest, ties to even, as ``Tensor.to`` does),
+            which spares a cast launched after the kernel.
 
     Returns:
-        [B, H, D] float32.
+        [B, H, D] in ``out``'s dtype (``out_dtype``).
 
     Raises:
         ValueError: a non-contiguous ``query``, ``req_rows`` or ``seq_lens``; ``req_rows`` or ``seq_lens`` not of
             B entries; H not a multiple of H_kv; a window or softcap not positive; ``num_splits`` not a positive
-            int; ``out`` or ``workspace`` not contiguous float32 of the shapes above. The values of ``req_rows`` and
+            int; ``out`` or ``workspace`` not contiguous, of the shapes above, in the dtypes above (``out_dtype``
+            too). The values of ``req_rows`` and
             ``seq_lens`` are not checked (that would synchronise with the device).
     """
     B = query.shape[0] if query.dim() == 3 else -1
@@ -244,8 +261,10 @@ def decode_attention(
     H_kv = k_cache.shape[1]
     group = H // H_kv
     if out is None:
-        out = torch.empty(B, H, D, dtype=torch.float32, device=query.device)
-    _check_buffer("out", out, (B, H, D))
+        if out_dtype not in _OUT_DTYPES:
+            raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+        out = torch.empty(B, H, D, dtype=out_dtype, device=query.device)
+    _check_buffer("out", out, (B, H, D), _OUT_DTYPES)
     if workspace is None:
         workspace = (torch.empty(B, H, num_splits, D, dtype=torch.float32, device=query.device),
                      torch.empty(B, H, num_splits, dtype=torch.float32, device=query.device))
@@ -260,9 +279,10 @@ def decode_attention(
         BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
     )
-    _decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, D=D, NUM_SPLITS=num_splits,
+    bf16 = out.dtype == torch.bfloat16
+    _decode_merge_kernel[(B * H,)](mid_o, mid_lse, out.view(torch.int16) if bf16 else out, D=D, NUM_SPLITS=num_splits,
                                    BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
-                                   BLOCK_D=triton.next_power_of_2(D))
+                                   BLOCK_D=triton.next_power_of_2(D), OUT_BF16=bf16)
     return out
 
 

@@ -167,5 +167,9 @@ def test_eager_decode_on_cuda_runs_the_triton_kernel(model, monkeypatch):
     monkeypatch.setattr(triton_kernels, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or decode(*a, **k))
     pool = PagePool.from_model(model, max_tokens=32 * 128, page_size=16, prefix_cache=False)
     ids, mask = _prompts(model, 3, seed=40)
+    stores = []
+    store = triton_kernels.store_kv
+    monkeypatch.setattr(triton_kernels, "store_kv", lambda k, *a, **kw: stores.append(k.shape[0]) or store(k, *a, **kw))
     _generate(model, pool, ids, mask, graphs=False)
     assert calls == [3] * (NEW - 1) * model.config.num_hidden_layers
+    assert stores[-model.config.num_hidden_layers:] == [3] * model.config.num_hidden_layers  # K and V in one launch

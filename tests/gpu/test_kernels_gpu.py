@@ -53,6 +53,12 @@ def test_decode_kernel(case, variant, dtype):
     got = tk.decode_attention(query[:, :, 0].contiguous().cuda(), k_cache.cuda(), v_cache.cuda(), meta.table.cuda(),
                               meta.req_rows.cuda(), torch.tensor(seq, dtype=torch.int32, device="cuda"), **kw)
     torch.testing.assert_close(got.float().cpu(), want, **TOLERANCE[dtype])
+    # the output in the query's dtype, as eager decode and a replayed graph ask for it: rounded by the kernel as
+    # torch rounds the float32 output, to the bit
+    rounded = tk.decode_attention(query[:, :, 0].contiguous().cuda(), k_cache.cuda(), v_cache.cuda(),
+                                  meta.table.cuda(), meta.req_rows.cuda(),
+                                  torch.tensor(seq, dtype=torch.int32, device="cuda"), out_dtype=dtype, **kw)
+    assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)

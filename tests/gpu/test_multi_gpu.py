@@ -25,3 +25,19 @@ def test_layers_split_over_two_gpus_keep_their_kv_on_their_gpu(tmp_path):
     assert set(by_device) == {"cuda:0", "cuda:1"} and by_device["cuda:0"] == by_device["cuda:1"]
     out, ref = paged_and_reference(model, pool, *(t.to("cuda:0") for t in left_padded_batch([4, 9, 6])))
     assert torch.equal(out, ref)
+
+
+def test_a_model_on_the_second_gpu_while_the_first_is_current_decodes_there():
+    """Triton launches on the current device and a graph is captured on the current device's stream: the kernels,
+    the K/V store and the captured graphs of a model on cuda:1 must run on cuda:1 while cuda:0 stays current."""
+    import astrai_hf
+
+    model = tiny_model("llama").to("cuda:1")
+    ids, mask = (t.to("cuda:1") for t in left_padded_batch([4, 9, 6]))
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.cuda.current_device() == 0
+    ref = model.generate(ids, **kw)
+    for graphs in (False, True):
+        with astrai_hf.patched(model, max_tokens=1024, cuda_graphs=graphs):
+            assert torch.equal(model.generate(ids, **kw), ref)
+            assert torch.cuda.current_device() == 0
