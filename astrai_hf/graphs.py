@@ -176,7 +176,7 @@ class DecodeGraphRunner:
 
     def __init__(self, model, forward, pool, *, max_batch: int | None = None, use_cuda_graphs: bool | None = None):
         self._model, self.forward, self.pool = weakref.ref(model), forward, pool  # (the model holds the runner)
-        device = pool.config.layer_devices[0]
+        self.device = device = pool.config.layer_devices[0]
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, the pool is on {device}")

@@ -147,6 +147,7 @@ class PagePool:
         # pool plan, copy and release from several threads (an unpatched model's, a finaliser run by gc)
         self.books_lock = threading.RLock()
         self.books_depth = 0  # books() blocks entered and not left (by the thread holding books_lock)
+        self._books_owner: int | None = None  # the thread in the outermost books() block (it defers Ctrl-C)
         self._released_later: list = []  # page holders of caches collected while the books were busy
         self._model_ref = None
         self._model_fingerprint: str | None = None
@@ -163,7 +164,8 @@ class PagePool:
         collector finalises meanwhile, in this thread or another, does not wait or cut in: its rows are returned
         when the outermost block is entered or left (:meth:`release_later`)."""
         with self.books_lock:
-            if self.books_depth:  # nested in a block this thread holds (the lock is reentrant): that one defers Ctrl-C
+            me = threading.get_ident()
+            if self._books_owner == me:  # nested in this thread's outermost block, which defers Ctrl-C already
                 self.books_depth += 1
                 try:
                     yield
@@ -171,13 +173,19 @@ class PagePool:
                     self.books_depth -= 1
                 return
             with interrupts_deferred():
-                self._release_collected()
-                self.books_depth += 1
+                self._books_owner = me
                 try:
-                    yield
+                    if not self.books_depth:
+                        self._release_collected()
+                    self.books_depth += 1
+                    try:
+                        yield
+                    finally:
+                        self.books_depth -= 1
+                        if not self.books_depth:
+                            self._release_collected()
                 finally:
-                    self.books_depth -= 1
-                    self._release_collected()
+                    self._books_owner = None
 
     def release_later(self, holder) -> None:
         """Take the page holder of a cache the garbage collector finalised while the books were busy (see
@@ -206,7 +214,8 @@ class PagePool:
         before = (self.allocator.num_free, self.req_to_token.num_free,
                   self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0)
         gc.collect()
-        self._release_collected()  # (finalisers run inside this thread's books leave their rows to it)
+        with self.books():  # (finalisers run inside this thread's books leave their rows to it)
+            self._release_collected()
         after = (self.allocator.num_free, self.req_to_token.num_free,
                  self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0)
         if after != before:

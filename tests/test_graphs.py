@@ -347,3 +347,68 @@ def test_a_decode_step_reads_nothing_back_from_the_device_in_astrai_hf_code(monk
             _generate(model, ids, mask, graphs=graphs, do_sample=False, max_new_tokens=new, min_new_tokens=new)
         counts.append(dict(reads))
     assert counts[0] == counts[1]
+
+
+def test_the_capture_path_gives_eagers_tokens_with_a_stand_in_for_cudas_graph_api(monkeypatch):
+    """CUDA's graph API replaced by a stand-in whose replay runs the captured forward again into the captured
+    output's tensors (as a replay recomputes its static outputs): the runner's capture path itself (warm-up on a
+    side stream, capture into the shared memory pool, on the pool's device, garbage collection off meanwhile) runs
+    on a CPU and gives eager's tokens."""
+    import contextlib
+    import gc
+
+    from astrai_hf import attention, graphs
+
+    capturing, devices, replays = {}, [], []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class CUDAGraph:
+        def replay(self):
+            replays.append(1)
+            self.rerun()
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        assert pool is not None and not gc.isenabled()
+        capturing["graph"] = g
+        try:
+            yield
+        finally:
+            capturing.clear()
+
+    real_forward = graphs.DecodeGraphRunner._forward
+
+    def forward(self, *args):
+        out = real_forward(self, *args)
+        g = capturing.get("graph")
+        if g is not None:  # the capture: a replay recomputes into this output's tensors
+            g.rerun = lambda: out["logits"].copy_(real_forward(self, *args)["logits"])
+        return out
+
+    real_on_device = attention.on_device
+    for name, value in dict(Stream=Stream, current_stream=Stream, stream=lambda s: contextlib.nullcontext(),
+                            graph_pool_handle=object, CUDAGraph=CUDAGraph, graph=graph).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(graphs.DecodeGraphRunner, "_forward", forward)
+    monkeypatch.setattr(attention, "on_device", lambda device: devices.append(device) or real_on_device(device))
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 1, 12], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = model.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4, prefix_cache=False)
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        model.generate(ids[:, -2:], attention_mask=mask[:, -2:], max_new_tokens=2)  # makes the runner
+        runner = _runner(model)
+        runner.use_cuda_graphs, runner.graphs = True, {}  # (what a CUDA pool gets)
+        got = model.generate(ids, **kw)
+    finally:
+        astrai_hf.unpatch(model)
+    assert torch.equal(got, want)
+    assert list(runner.capture_seconds) == [4] and devices == [pool.config.layer_devices[0]]
+    assert len(replays) == 5 and gc.isenabled()  # every decode step replayed, the capturing one too
+    assert pool.stats()["num_used_pages"] == 0

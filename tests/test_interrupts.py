@@ -141,6 +141,28 @@ def test_interrupts_deferred_delivers_sigint_at_the_end_and_nests():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_releasing_collected_caches_outside_the_books_defers_ctrl_c_until_the_books_are_consistent():
+    """``release_garbage_caches()`` is public: called outside any ``books()`` block, the rows of caches collected
+    meanwhile are released inside one that defers Ctrl-C (a block was taken for nested and let Ctrl-C in)."""
+    pool = PagePool.from_model(tiny_model("llama"), max_tokens=256, page_size=4, prefix_cache=False)
+    log = []
+
+    class Holder:  # the rows of a collected cache, queued by its finaliser while the books were busy
+        def release(self):
+            with pool.books():
+                log.append("half of the books changed")
+                _ctrl_c()
+                log.append("books consistent")
+
+    pool.release_later(Holder())
+    with pytest.raises(KeyboardInterrupt):
+        pool.release_garbage_caches()
+    assert log == ["half of the books changed", "books consistent"]
+    assert pool.books_depth == 0 and pool._books_owner is None
+    with pool.books():  # and a later block is an outermost one again
+        assert pool._books_owner == threading.get_ident()
+
+
 def test_interrupts_deferred_is_a_no_op_off_the_main_thread():
     seen = []
 

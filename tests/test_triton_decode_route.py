@@ -85,6 +85,21 @@ def test_eager_decode_through_the_kernel_equals_stock_and_the_runner(arch, kerne
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # one kernel; only the padded rows differ
 
 
+def test_a_float64_model_decodes_through_the_kernel(kernel_calls):
+    """The kernel writes float32, float16 and bfloat16 outputs itself; a float64 model's comes out in float32 and is
+    cast back (it had raised ValueError for the output dtype)."""
+    model = tiny_model("llama").double()
+    ids, mask = left_padded_batch([3, 6], seed=5)
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True)
+    for graphs in (False, True):
+        got = _generate(model, ids, mask, graphs=graphs)
+        assert torch.equal(got.sequences, stock.sequences)
+        for a, b in zip(got.logits, stock.logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # (the kernel accumulates in float32)
+    assert len(kernel_calls) == 2 * (NEW - 1) * model.config.num_hidden_layers
+
+
 def test_steps_the_kernel_does_not_take_stay_on_the_reference(kernel_calls):
     """``num_return_sequences`` stores each prompt once for its samples (group > 1 at the prefill only); beam search
     reorders rows; the kernel serves their one-token steps, and a multi-token step never reaches it."""

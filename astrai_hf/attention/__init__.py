@@ -59,13 +59,16 @@ def triton_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         [B, 1, H, D] in the query's dtype.
     """
     D = query.shape[-1]
+    # the output in the query's dtype, rounded by the kernel (no cast launched after it); float64 and other dtypes
+    # the kernel does not write come out in float32 and are cast
+    writes = query.dtype in (torch.float32, torch.float16, torch.bfloat16)
     with on_device(query.device):
         out = _triton_kernels().decode_attention(
             query[:, :, 0].contiguous(), k_cache, v_cache, table, req_rows, seq_lens,
             scaling=D**-0.5 if scaling is None else scaling, sliding_window=sliding_window, softcap=softcap,
-            out_dtype=query.dtype,  # (rounded in the kernel: no cast launched after it)
+            out_dtype=query.dtype if writes else torch.float32,
         )
-    return out[:, None]
+    return (out if writes else out.to(query.dtype))[:, None]
 
 
 def triton_store(slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -105,7 +105,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_sl
     slot = tl.load(slot_ptr + i).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = d < D
-    src = (i * H_KV + h) * D + d
+    src = (i.to(tl.int64) * H_KV + h) * D + d  # int64: a long prefill's K can pass 2**31 elements
     dst = slot * stride_slot + h.to(tl.int64) * stride_head + d  # int64: a head's plane can pass 2**31 elements
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=m), mask=m)
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=m), mask=m)
