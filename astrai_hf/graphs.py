@@ -43,18 +43,19 @@ class DecodeWorkspace:
 
     Attributes:
         input_ids, position_ids: [max_batch, 1] int64.
-        req_rows: [max_batch] int64, the ``req_to_token`` row of each batch row (padded rows: ``pad_row``).
-        seq_lens: [max_batch] int32, tokens per row including this step's (padded rows: 1).
         slot_mapping: [max_batch] int64, where each row's new K/V goes (padded rows: slot 0, the trash page).
+        req_rows: [max_batch] int64, the ``req_to_token`` row of each batch row (padded rows: ``pad_row``).
+        seq_lens: [max_batch] int64, tokens per row including this step's (padded rows: 1).
+        indices: [3, max_batch] int64, whose rows are ``slot_mapping``, ``req_rows`` and ``seq_lens`` (filled by
+            one copy from a step's ``decode_indices``).
     """
 
     def __init__(self, max_batch: int, pad_row: int, device: torch.device):
         self.max_batch, self.pad_row, self.device = max_batch, pad_row, device
         self.input_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-        self.req_rows = torch.full((max_batch,), pad_row, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.indices = torch.tensor([0, pad_row, 1], dtype=torch.long, device=device)[:, None].repeat(1, max_batch)
+        self.slot_mapping, self.req_rows, self.seq_lens = self.indices
         self.filled = 0  # rows 0 .. filled - 1 may hold a real row's inputs; the rest point at the trash
 
     def fill(self, step: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor | None, bucket: int) -> None:
@@ -65,10 +66,13 @@ class DecodeWorkspace:
         if position_ids is None:
             position_ids = torch.tensor(step.prev_lens, dtype=torch.long).view(B, 1)
         self.position_ids[:B].copy_(position_ids.expand(B, 1), non_blocking=True)
-        self.req_rows[:B].copy_(step.req_rows, non_blocking=True)
-        seq_lens = step.seq_lens_dev if step.seq_lens_dev is not None else torch.tensor(step.seq_lens)
-        self.seq_lens[:B].copy_(seq_lens, non_blocking=True)
-        self.slot_mapping[:B].copy_(step.slot_mapping, non_blocking=True)
+        if step.decode_indices is not None:
+            self.indices[:, :B].copy_(step.decode_indices, non_blocking=True)
+        else:
+            self.req_rows[:B].copy_(step.req_rows, non_blocking=True)
+            seq_lens = step.seq_lens_dev if step.seq_lens_dev is not None else torch.tensor(step.seq_lens)
+            self.seq_lens[:B].copy_(seq_lens, non_blocking=True)
+            self.slot_mapping[:B].copy_(step.slot_mapping, non_blocking=True)
         if self.filled > B:  # (past the bucket too: one pad of every stale row, then none while B stays)
             self.pad(B, self.filled)
         self.filled = max(self.filled, B)
@@ -207,6 +211,11 @@ class DecodeGraphRunner:
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
+
+    def has_graph(self, batch: int) -> bool:
+        """Whether a batch of ``batch`` rows replays a captured CUDA graph (no Python runs in its forward)."""
+        entry = self.graphs.get(self.bucket_for(batch))
+        return entry is not None and entry[0] is not None
 
     def can_run(self, step: StepMetadata, kwargs: dict, input_ids) -> bool:
         """A one-token-per-row step of a plain forward that fits a bucket."""

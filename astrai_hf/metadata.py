@@ -43,6 +43,8 @@ class StepMetadata:
             of the pool instead of gathering them through the table.
         seq_lens_dev: None, or ``seq_lens`` as [B] int64 on the table's device, sent with the step's other indices
             (a decode step's attention and graph workspace read them there).
+        decode_indices: None, or for a step of one new token per row ``slot_mapping``, ``req_rows`` and
+            ``seq_lens_dev`` as the rows of one [3, B] int64 view (the decode graph workspace takes them in one copy).
     """
 
     q_len: int
@@ -58,6 +60,7 @@ class StepMetadata:
     qo_lens: list[int] | None = None
     row_starts: list[int | None] | None = None
     seq_lens_dev: torch.Tensor | None = None
+    decode_indices: torch.Tensor | None = None
     _views: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -249,12 +252,12 @@ class DeviceView:
 
     @property
     def seq_lens_t(self) -> torch.Tensor:
-        """[B] int32 on this device: ``meta.seq_lens``, tokens per row after this step."""
+        """[B] int64 on this device: ``meta.seq_lens``, tokens per row after this step."""
         if self._seq_lens_t is None:
             sent = self.meta.seq_lens_dev
             if sent is None:
                 sent = torch.tensor(self.meta.seq_lens)
-            self._seq_lens_t = sent.to(self.device, torch.int32, non_blocking=True)
+            self._seq_lens_t = sent.to(self.device, non_blocking=True)  # (no copy where it was sent)
         return self._seq_lens_t
 
     def rows_index(self, rows: list[int]) -> torch.Tensor:

@@ -968,11 +968,14 @@ def _wrap_forward(owner, forward, state: PatchState):
         if as_fed and own_loop:
             cache.rows_as_fed = True  # (the loop's decode steps, one token per row, are not looked at again)
         try:
-            with paged_attention_on(state, step, cache.pool):
-                if state.cuda_graphs and not args and not as_fed:  # (a bucket pads the rows)
-                    runner = _runner(model, state, cache.pool)
-                    if runner.can_run(step, kwargs, input_ids):
+            if state.cuda_graphs and not args and not as_fed:  # (a bucket pads the rows)
+                runner = _runner(model, state, cache.pool)
+                if runner.can_run(step, kwargs, input_ids):
+                    if runner.has_graph(B):  # a replay runs no attention code: nothing to switch
                         return runner.run(cache, step, kwargs, input_ids, state)
+                    with paged_attention_on(state, step, cache.pool):  # (the capture, or the stand-in's forward)
+                        return runner.run(cache, step, kwargs, input_ids, state)
+            with paged_attention_on(state, step, cache.pool):
                 chunk_tokens = None if state.rope_by_length or as_fed else state.prefill_chunk_tokens
                 if state.packable and not args and not as_fed and packing.wants_packing(
                     model, kwargs, step, input_ids, drop_padding=state.pack_prefill, chunk_tokens=chunk_tokens,

@@ -99,10 +99,11 @@ def test_workspace_pads_only_rows_a_larger_batch_wrote():
     ws.pad = lambda start, stop: (pads.append((start, stop)), real_pad(start, stop))
 
     def step(B, base):
-        # (lengths sent with the step's indices, as a patched step's are, or only on the host)
-        meta = types.SimpleNamespace(prev_lens=[base] * B, seq_lens=[base + 1] * B,
-                                     seq_lens_dev=torch.full((B,), base + 1) if base % 2 else None,
-                                     req_rows=torch.arange(B), slot_mapping=torch.arange(B) + 100)
+        # (indices in one [3, B] block, as a patched decode step's are, or lengths only on the host)
+        meta = types.SimpleNamespace(prev_lens=[base] * B, seq_lens=[base + 1] * B, seq_lens_dev=None,
+                                     req_rows=torch.arange(B), slot_mapping=torch.arange(B) + 100, decode_indices=None)
+        if base % 2:
+            meta.decode_indices = torch.stack([meta.slot_mapping, meta.req_rows, torch.full((B,), base + 1)])
         ws.fill(meta, torch.full((B, 1), 7), None, next(b for b in (1, 2, 4, 8) if b >= B))
 
     step(6, 10)
@@ -358,6 +359,7 @@ def test_the_capture_path_gives_eagers_tokens_with_a_stand_in_for_cudas_graph_ap
     import gc
 
     from astrai_hf import attention, graphs
+    from astrai_hf.patch import paged_attention_on
 
     capturing, devices, replays = {}, [], []
 
@@ -384,8 +386,12 @@ def test_the_capture_path_gives_eagers_tokens_with_a_stand_in_for_cudas_graph_ap
     def forward(self, *args):
         out = real_forward(self, *args)
         g = capturing.get("graph")
-        if g is not None:  # the capture: a replay recomputes into this output's tensors
-            g.rerun = lambda: out["logits"].copy_(real_forward(self, *args)["logits"])
+        if g is not None:  # the capture: a replay recomputes into this output's tensors, paged attention and all
+            def rerun():
+                with paged_attention_on(args[3], args[4], self.pool):
+                    out["logits"].copy_(real_forward(self, *args)["logits"])
+
+            g.rerun = rerun
         return out
 
     real_on_device = attention.on_device

@@ -52,7 +52,7 @@ def triton_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Args:
         query: [B, H, 1, D] after RoPE.
         k_cache, v_cache: [num_slots, H_kv, D], one layer of the pool.
-        table: ``req_to_token`` [rows, max_seq_len] int32; req_rows: [B] int64; seq_lens: [B] int32, tokens per row
+        table: ``req_to_token`` [rows, max_seq_len] int32; req_rows: [B] int64; seq_lens: [B] int64, tokens per row
             including this step's; all three on the query's device.
 
     Returns:

@@ -136,7 +136,7 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)  # (int32 or int64 lengths)
     row = tl.load(req_rows_ptr + b).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -230,7 +230,7 @@ def decode_attention(
         k_cache, v_cache: [num_slots, H_kv, D], one layout with D contiguous; H a multiple of H_kv.
         req_to_token: [max_reqs, max_seq_len] int32.
         req_rows: [B] int, the table row of each batch row.
-        seq_lens: [B] int32 on the device, tokens per row including this step's (at least 1).
+        seq_lens: [B] int32 or int64 on the device, tokens per row including this step's (at least 1).
         scaling: multiplier of ``q @ k``.
         sliding_window: keys ``t > seq_len - 1 - sliding_window`` only, or None.
         softcap: Gemma2 logit soft-capping, or None.
