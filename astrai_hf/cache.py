@@ -843,7 +843,7 @@ class PagedCache(Cache):
         staged = torch.tensor([v for part in parts for v in part], dtype=torch.long).to(dev, non_blocking=True)
         (w_rows_t, w_cols_t, w_slots_t, src_t, id_rows_t, id_cols_t, id_vals_t, slot_mapping,
          req_rows, seq_lens_t) = staged.split([len(part) for part in parts])
-        one_per_row = group == 1 and len(new_slots) == B
+        one_per_row = group == 1 and q == 1 and len(new_slots) == B  # (one column: every row has its token)
         if w_slots:
             table.write(w_rows_t, w_cols_t, w_slots_t)
         write_src = src_t if some_columns else None

@@ -418,3 +418,18 @@ def test_the_capture_path_gives_eagers_tokens_with_a_stand_in_for_cudas_graph_ap
     assert list(runner.capture_seconds) == [4] and devices == [pool.config.layer_devices[0]]
     assert len(replays) == 5 and gc.isenabled()  # every decode step replayed, the capturing one too
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_steps_indices_come_as_one_block_only_with_one_new_token_per_row():
+    """The workspace takes a decode step's slot_mapping, req_rows and seq_lens as one [3, B] block; a step of two
+    columns whose padding leaves B new tokens in all (here 1, 2 and 0) gets none, as its rows would not line up."""
+    model = tiny_model("llama")
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4, prefix_cache=False)
+    with astrai_hf.PagedCache(pool) as cache:
+        ids, mask = torch.tensor([[0, 5], [6, 7], [0, 0]]), torch.tensor([[0, 1], [1, 1], [0, 0]])
+        step = cache.plan_step(3, 2, attention_mask=mask, input_ids=ids, paged=True)
+        assert step.seq_lens == [1, 2, 0] and step.decode_indices is None
+        step = cache.plan_step(3, 1, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
+                               input_ids=torch.tensor([[1], [2], [3]]), paged=True)
+        assert torch.equal(step.decode_indices, torch.stack([step.slot_mapping, step.req_rows, step.seq_lens_dev]))
+        assert step.decode_indices[2].tolist() == [2, 3, 1]
