@@ -837,13 +837,13 @@ class PagedCache(Cache):
         if ids_from_input:  # the token ids of the new columns come from the input, on the device already
             id_rows, id_cols, id_vals = new_rows, new_cols, []
         some_columns = len(src) != B * q  # padding columns: write_src picks the real ones
+        one_per_row = group == 1 and q == 1 and len(new_slots) == B  # (one column: every row has its token)
         # (the last three side by side: a step of one new token per row hands them on as one [3, B] block)
         parts = [w_rows, w_cols, w_slots, src if some_columns else [], id_rows, id_cols, id_vals, new_slots,
-                 rows.req_rows if group == 1 else [], seq if group == 1 else []]
+                 rows.req_rows if group == 1 else [], seq if one_per_row else []]
         staged = torch.tensor([v for part in parts for v in part], dtype=torch.long).to(dev, non_blocking=True)
         (w_rows_t, w_cols_t, w_slots_t, src_t, id_rows_t, id_cols_t, id_vals_t, slot_mapping,
-         req_rows, seq_lens_t) = staged.split([len(part) for part in parts])
-        one_per_row = group == 1 and q == 1 and len(new_slots) == B  # (one column: every row has its token)
+         req_rows, _) = staged.split([len(part) for part in parts])
         if w_slots:
             table.write(w_rows_t, w_cols_t, w_slots_t)
         write_src = src_t if some_columns else None
@@ -873,7 +873,6 @@ class PagedCache(Cache):
             write_src=write_src,
             group=group,
             row_starts=rows.contiguous_starts(),
-            seq_lens_dev=seq_lens_t if group == 1 else None,
             decode_indices=staged[staged.shape[0] - 3 * B:].view(3, B) if one_per_row else None,
         )
 

@@ -70,8 +70,7 @@ class DecodeWorkspace:
             self.indices[:, :B].copy_(step.decode_indices, non_blocking=True)
         else:
             self.req_rows[:B].copy_(step.req_rows, non_blocking=True)
-            seq_lens = step.seq_lens_dev if step.seq_lens_dev is not None else torch.tensor(step.seq_lens)
-            self.seq_lens[:B].copy_(seq_lens, non_blocking=True)
+            self.seq_lens[:B].copy_(torch.tensor(step.seq_lens), non_blocking=True)
             self.slot_mapping[:B].copy_(step.slot_mapping, non_blocking=True)
         if self.filled > B:  # (past the bucket too: one pad of every stale row, then none while B stays)
             self.pad(B, self.filled)

@@ -41,10 +41,9 @@ class StepMetadata:
         row_starts: None, or per row the slot of its token 0 when its ``seq_lens[r]`` tokens occupy consecutive
             slots (``[start, start + seq_lens[r])``), else None. Attention may then read the row's K/V as a view
             of the pool instead of gathering them through the table.
-        seq_lens_dev: None, or ``seq_lens`` as [B] int64 on the table's device, sent with the step's other indices
-            (a decode step's attention and graph workspace read them there).
         decode_indices: None, or for a step of one new token per row ``slot_mapping``, ``req_rows`` and
-            ``seq_lens_dev`` as the rows of one [3, B] int64 view (the decode graph workspace takes them in one copy).
+            ``seq_lens`` as the rows of one [3, B] int64 tensor on the table's device, sent with the step's other
+            indices (decode attention reads the lengths there; the graph workspace takes all three in one copy).
     """
 
     q_len: int
@@ -59,7 +58,6 @@ class StepMetadata:
     group: int = 1
     qo_lens: list[int] | None = None
     row_starts: list[int | None] | None = None
-    seq_lens_dev: torch.Tensor | None = None
     decode_indices: torch.Tensor | None = None
     _views: dict = field(default_factory=dict, repr=False)
 
@@ -254,9 +252,8 @@ class DeviceView:
     def seq_lens_t(self) -> torch.Tensor:
         """[B] int64 on this device: ``meta.seq_lens``, tokens per row after this step."""
         if self._seq_lens_t is None:
-            sent = self.meta.seq_lens_dev
-            if sent is None:
-                sent = torch.tensor(self.meta.seq_lens)
+            sent = self.meta.decode_indices
+            sent = torch.tensor(self.meta.seq_lens) if sent is None else sent[2]
             self._seq_lens_t = sent.to(self.device, non_blocking=True)  # (no copy where it was sent)
         return self._seq_lens_t
 

@@ -100,7 +100,7 @@ def test_workspace_pads_only_rows_a_larger_batch_wrote():
 
     def step(B, base):
         # (indices in one [3, B] block, as a patched decode step's are, or lengths only on the host)
-        meta = types.SimpleNamespace(prev_lens=[base] * B, seq_lens=[base + 1] * B, seq_lens_dev=None,
+        meta = types.SimpleNamespace(prev_lens=[base] * B, seq_lens=[base + 1] * B,
                                      req_rows=torch.arange(B), slot_mapping=torch.arange(B) + 100, decode_indices=None)
         if base % 2:
             meta.decode_indices = torch.stack([meta.slot_mapping, meta.req_rows, torch.full((B,), base + 1)])
@@ -431,5 +431,6 @@ def test_a_steps_indices_come_as_one_block_only_with_one_new_token_per_row():
         assert step.seq_lens == [1, 2, 0] and step.decode_indices is None
         step = cache.plan_step(3, 1, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
                                input_ids=torch.tensor([[1], [2], [3]]), paged=True)
-        assert torch.equal(step.decode_indices, torch.stack([step.slot_mapping, step.req_rows, step.seq_lens_dev]))
-        assert step.decode_indices[2].tolist() == [2, 3, 1]
+        assert step.seq_lens == [2, 3, 1]
+        assert torch.equal(step.decode_indices, torch.stack([step.slot_mapping, step.req_rows, torch.tensor([2, 3, 1])]))
+        assert torch.equal(step.on(torch.device("cpu")).seq_lens_t, torch.tensor([2, 3, 1]))
