@@ -167,6 +167,7 @@ def test_a_first_line_that_ends_in_a_colon_keeps_what_follows():
     assert _first_line(OSError("no such file\nmore")) == "no such file"
 
 
+@pytest.mark.compat
 def test_load_model_lets_transformers_pick_the_attention_a_family_supports(tmp_path):
     # Gemma 2 with its attention softcapping refuses sdpa: a default of sdpa made --model refuse the family
     import shutil
@@ -182,7 +183,9 @@ def test_load_model_lets_transformers_pick_the_attention_a_family_supports(tmp_p
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, tmp_path / f.name)
     model, tokenizer = load_model(str(tmp_path))
-    assert type(model).__name__ == "Gemma2ForCausalLM" and model.config._attn_implementation == "eager"
+    # transformers' own choice: eager on 5.24 (softcapping), sdpa on releases whose Gemma 2 took it
+    picked = T.AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation
+    assert type(model).__name__ == "Gemma2ForCausalLM" and model.config._attn_implementation == picked
     assert tokenizer.padding_side == "left"
 
 
