@@ -6,7 +6,9 @@ positions, each row's ``req_to_token`` row, ``seq_lens``, ``slot_mapping``). A b
 rows read and write only the trash page (slot 0). Graphs are captured lazily, on a bucket's first decode
 step, or all at once, largest first, by :func:`astrai_hf.capture_graphs`, into one memory pool shared by all
 buckets (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it cannot replay (several
-tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager.
+tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager. A model changed
+since its graphs were captured (a parameter given a new tensor, a hook added, an adapter switched) has them captured
+again at its next call (:meth:`DecodeGraphRunner.still_fits`).
 
 Attention inside a captured step reads lengths and page tables from the workspace only: the Triton split-KV decode
 kernel on CUDA (its grid never depends on lengths), else a static-shape torch path over the table's full width.
@@ -27,6 +29,7 @@ import torch
 from .attention.reference import _attend
 from .metadata import StepMetadata
 from .packing import last_logits_only
+from .pool import ModelLayout
 from .storage import gather_kv
 
 logger = logging.getLogger(__name__)
@@ -198,6 +201,8 @@ class DecodeGraphRunner:
         self.replays = 0  # decode steps run through the runner
         self.captured: list[int] = []  # buckets captured, in order
         self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (warm-up included)
+        # (the model's ModelLayout when the first graph was captured, the pool's weights stamp it was last seen at)
+        self._layout: tuple[ModelLayout, object] | None = None
 
     @property
     def model(self):
@@ -207,6 +212,27 @@ class DecodeGraphRunner:
     def close(self) -> None:
         """Drop the graphs and the workspace."""
         self.workspace, self.graphs = None, {}
+
+    def still_fits(self, model) -> bool:
+        """Whether the captured graphs still compute what ``model`` does: a graph holds the addresses of the tensors
+        and the Python decisions (hooks, adapters, module code) of its capture, so a parameter given a new tensor
+        (``load_state_dict(assign=True)``, ``resize_token_embeddings()``, ``param.data = ...``, a module assigned
+        anew), a hook added or removed, or an adapter switched makes them stale (see
+        :class:`~astrai_hf.pool.ModelLayout`). Values written in place keep them: a replay reads them.
+
+        Looks again only when the pool's :meth:`~astrai_hf.pool.PagePool.check_weights` saw a change since the
+        last look (its :attr:`~astrai_hf.pool.PagePool.weights_stamp` moved); call it after that check.
+        """
+        if self._layout is None:
+            return True
+        layout, stamp = self._layout
+        now = self.pool.weights_stamp
+        if now is stamp:
+            return True
+        if not layout.matches(model):
+            return False
+        self._layout = layout, now
+        return True
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
@@ -298,6 +324,8 @@ class DecodeGraphRunner:
         from .attention import on_device
 
         start = time.perf_counter()
+        if self._layout is None:  # what the graphs hold fixed (checked by still_fits before later calls)
+            self._layout = ModelLayout(self.model), self.pool.weights_stamp
         # a PagedCache collected mid-capture would free its table rows with host-to-device copies, which break
         # the capture (or land in the graph): no garbage collection until the graph is captured
         collecting = gc.isenabled()

@@ -850,6 +850,13 @@ def _wants_graphs(model, cuda_graphs: bool | None) -> bool:
 
 def _runner(model, state: PatchState, pool: PagePool):
     runner = state.runners.get(id(pool))
+    if runner is not None and not runner.still_fits(model):
+        # a graph holds the tensors and hooks of its capture; the pool's check_weights(), which a cache runs
+        # before its first step, saw the model change since
+        logger.info("%s changed since its decode graphs were captured (a parameter given a new tensor, a hook, an "
+                    "adapter): capturing them again", type(model).__name__)
+        state.runners.pop(id(pool)).close()
+        runner = None
     if runner is None:
         from .graphs import DecodeGraphRunner
 

@@ -518,6 +518,14 @@ class PagePool:
             memo = self._fingerprints[model] = (_WeightsVersion(model), weights_fingerprint(model))
         return f"{memo[1]}.{config_fingerprint(model)}"
 
+    @property
+    def weights_stamp(self) -> object | None:
+        """A token that stays the same object while :meth:`check_weights` sees the bound model unchanged, and is
+        another one after it saw a change (or bound another model); None before the first check. A holder of
+        something computed from the model (a captured graph) compares it to learn, at no cost, when to look
+        again."""
+        return self._weights_version
+
     def held_model_key(self) -> tuple | None:
         """What the cached prefixes were computed by: the bound model's fingerprint and behaviour when they were
         last checked (None before a model is bound). Two moments with equal keys hold K/V of the same computation."""
@@ -903,46 +911,67 @@ def _free_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-class _WeightsVersion:
-    """Whether a model computes as it did before, seen from outside its code:
+class ModelLayout:
+    """What a model's computation is made of, besides its tensors' values: what a CUDA graph of its forward holds
+    fixed until captured again.
 
-    - its parameters and buffers (RoPE frequencies, scales): the sum of their version counters (it grows with every
-      in-place change, an optimizer step or ``load_state_dict``) and of the ``torch.optim`` steps over them (a fused
-      optimizer bumps no counter), and each one's storage, held by weak reference (a new storage:
-      ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``);
+    - the storage of each parameter and buffer, held by weak reference (a new one: ``load_state_dict(assign=True)``,
+      ``.to(dtype)``, ``param.data = ...``, ``resize_token_embeddings()``, a module assigned anew);
+    - the packed weights of torch's quantized modules, by identity;
     - each module's code and settings: its class, a ``forward`` replaced on the class or the instance, a submodule
       swapped for another, a float attribute or ``sliding_window`` changed (``scaling``);
-    - the config fields that change what the layers compute (:func:`~astrai_hf.persist.config_fingerprint`:
-      a ``sliding_window`` or RoPE setting edited on a loaded model);
     - the forward hooks and pre-hooks on its modules and the global ones (activation steering, ablations, probes);
-    - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales).
+    - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales);
+    - the config fields that change what the layers compute (:func:`~astrai_hf.persist.config_fingerprint`:
+      a ``sliding_window`` or RoPE setting edited on a loaded model).
 
-    Inference tensors (a model made under ``torch.inference_mode()``) keep no counter: their sums are compared
-    instead, a read of them per call. The packed weights of torch's quantized modules count by identity. Writes
-    into ``param.data`` in place bypass the counters, and tensors offloaded to disk or CPU by a ``device_map`` are
-    not watched.
+    Values written in place (an optimizer step, ``load_state_dict``) leave it as it is. Tensors offloaded to disk
+    or CPU by a ``device_map`` are not watched. A check walks every module and tensor (a few milliseconds for a
+    model of 30 layers).
     """
 
-    def __init__(self, model: torch.nn.Module):
-        _watch_optimizer_steps()
-        tensors = _local_tensors(model)
-        self.version = _version_sum(tensors) + _optimizer_steps_of(model)
-        self.sums = _inference_sums(tensors)
+    def __init__(self, model: torch.nn.Module, tensors: list[torch.Tensor] | None = None):
+        tensors = _local_tensors(model) if tensors is None else tensors
         self.storages = [weakref.ref(_storage_of(t)) for t in tensors]
         self.packed = [weakref.ref(obj) for obj in _packed_params(model).values()]
         self.behaviour = _behaviour(model)
         self.config = _config_digest(model)
 
-    def matches(self, model: torch.nn.Module) -> bool:
-        tensors = _local_tensors(model)
+    def matches(self, model: torch.nn.Module, tensors: list[torch.Tensor] | None = None) -> bool:
+        """Whether ``model`` is still made as it was when this was taken."""
+        tensors = _local_tensors(model) if tensors is None else tensors
         packed = list(_packed_params(model).values())
         return (
             len(tensors) == len(self.storages)
-            and _version_sum(tensors) + _optimizer_steps_of(model) == self.version
             and all(ref() is _storage_of(t) for ref, t in zip(self.storages, tensors))
             and len(packed) == len(self.packed) and all(ref() is obj for ref, obj in zip(self.packed, packed))
             and _behaviour(model) == self.behaviour
             and _config_digest(model) == self.config
+        )
+
+
+class _WeightsVersion(ModelLayout):
+    """Whether a model computes as it did before, seen from outside its code: its :class:`ModelLayout`, and the
+    values of its parameters and buffers (RoPE frequencies, scales), seen through the sum of their version counters
+    (it grows with every in-place change, an optimizer step or ``load_state_dict``) and of the ``torch.optim``
+    steps over them (a fused optimizer bumps no counter).
+
+    Inference tensors (a model made under ``torch.inference_mode()``) keep no counter: their sums are compared
+    instead, a read of them per call. Writes into ``param.data`` in place bypass the counters.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        _watch_optimizer_steps()
+        tensors = _local_tensors(model)
+        super().__init__(model, tensors)
+        self.version = _version_sum(tensors) + _optimizer_steps_of(model)
+        self.sums = _inference_sums(tensors)
+
+    def matches(self, model: torch.nn.Module, tensors: list[torch.Tensor] | None = None) -> bool:
+        tensors = _local_tensors(model) if tensors is None else tensors
+        return (
+            _version_sum(tensors) + _optimizer_steps_of(model) == self.version
+            and super().matches(model, tensors)
             and _inference_sums(tensors) == self.sums
         )
 

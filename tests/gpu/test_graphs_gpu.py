@@ -173,3 +173,31 @@ def test_eager_decode_on_cuda_runs_the_triton_kernel(model, monkeypatch):
     _generate(model, pool, ids, mask, graphs=False)
     assert calls == [3] * (NEW - 1) * model.config.num_hidden_layers
     assert stores[-model.config.num_hidden_layers:] == [3] * model.config.num_hidden_layers  # K and V in one launch
+
+
+def test_a_parameter_given_a_new_tensor_after_capture_is_read_by_the_next_call(model):
+    # a graph holds the address of each tensor it read: replayed after the final norm got a new weight tensor, it
+    # had computed with the old one; the next call captures again
+    pool = PagePool.from_model(model, max_tokens=32 * 128, page_size=16, prefix_cache=False)
+    ids, mask = _prompts(model, 3, seed=50)
+    before, _ = _generate(model, pool, ids, mask, graphs=True)
+    old = model.model.norm.weight
+    model.model.norm.weight = torch.nn.Parameter(old.detach().flip(0), requires_grad=False)
+    try:
+        astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+        try:
+            model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)  # captures
+            first = next(iter(model._astrai_patch_state.runners.values()))
+            model.model.norm.weight = torch.nn.Parameter(old.detach().flip(0) * 0.5 + old.detach() * 0.5,
+                                                         requires_grad=False)
+            graph_out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                                       do_sample=False, output_logits=True, return_dict_in_generate=True)
+            runner = next(iter(model._astrai_patch_state.runners.values()))
+            assert runner is not first and runner.replays == NEW - 1
+        finally:
+            astrai_hf.unpatch(model)
+        eager_out, _ = _generate(model, pool, ids, mask, graphs=False)
+        _same_tokens(graph_out, eager_out, ids.shape[1])
+        assert not torch.equal(graph_out.sequences, before.sequences)
+    finally:
+        model.model.norm.weight = old

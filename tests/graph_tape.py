@@ -1,0 +1,109 @@
+"""A CPU stand-in for CUDA's graph API whose replay runs no Python: capture records every aten op the forward
+dispatches, with the very tensors it read and wrote, and a replay runs those ops again on those tensors, writing
+each result into the tensor the capture produced. As with a real CUDA graph, anything the forward decided in Python
+during the capture (a hook that ran, a branch taken, a parameter looked up on a module) is fixed until the graph is
+captured again, and a tensor replaced after the capture (a parameter assigned anew) is not read by a replay.
+
+``install(monkeypatch)`` swaps ``torch.cuda.CUDAGraph``, ``graph``, ``Stream``, ``stream``, ``current_stream`` and
+``graph_pool_handle`` (and ``is_current_stream_capturing``, which transformers asks before a host read) for the
+stand-ins and returns the list of graphs captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+# ops that read a tensor's value back to the host: a real capture fails on them
+_HOST_READS = ("_local_scalar_dense", "equal", "nonzero", "is_nonzero", "item")
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _alias(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _write_into(recorded, fresh) -> None:
+    """Copy a replayed op's result into the tensors its capture produced (views and in-place results alias those
+    already: nothing to copy)."""
+    if isinstance(recorded, torch.Tensor):
+        if recorded is fresh or recorded.untyped_storage().data_ptr() == fresh.untyped_storage().data_ptr():
+            return
+        recorded.copy_(fresh)
+    elif isinstance(recorded, (list, tuple)):
+        for r, f in zip(recorded, fresh):
+            _write_into(r, f)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.__name__.split(".")[0] in _HOST_READS:
+            raise RuntimeError(f"{func} reads a tensor back to the host during a graph capture")
+        out = func(*args, **kwargs)
+        # each tensor read as the storage it has now (a graph holds addresses: a parameter given new data after
+        # the capture, `param.data = ...`, is not read by a replay)
+        args, kwargs = tree_map(_alias, (args, kwargs))
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class CUDAGraph:
+    """A captured forward as the list of its aten ops."""
+
+    def __init__(self):
+        self.ops: list = []
+        self.replays = 0
+
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            _write_into(out, func(*args, **kwargs))
+        self.replays += 1
+
+    def reads(self, tensor: torch.Tensor) -> bool:
+        """Whether some op of the graph reads ``tensor``'s storage."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == ptr for _, args, kwargs, _ in self.ops
+                   for t in _tensors(list(args) + list(kwargs.values())))
+
+
+class Stream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def install(monkeypatch) -> list[CUDAGraph]:
+    captured: list[CUDAGraph] = []
+    capturing = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        assert pool is not None and not gc.isenabled(), "capture into the shared pool, garbage collection off"
+        capturing.append(g)
+        try:
+            with _Recorder(g.ops):
+                yield
+        finally:
+            capturing.pop()
+        captured.append(g)
+
+    for name, value in dict(Stream=Stream, current_stream=Stream, stream=lambda s: contextlib.nullcontext(),
+                            graph_pool_handle=object, CUDAGraph=CUDAGraph, graph=graph,
+                            is_current_stream_capturing=lambda: bool(capturing)).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    return captured

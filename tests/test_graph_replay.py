@@ -1,0 +1,192 @@
+"""The runner's CUDA-graph path on a CPU, under a stand-in for CUDA's graph API whose replay runs no Python (see
+graph_tape.py): what a real replay would read (the tensors and Python decisions of the capture) is what this replay
+reads, so a step that depends on Python running, or a graph gone stale, shows here as on a GPU."""
+
+import contextlib
+
+import pytest
+import torch
+
+import astrai_hf
+import graph_tape
+from astrai_hf import PagePool, graphs
+from tiny_models import ARCHS, left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.equivalence
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The graphs captured, in order, with every runner capturing through the stand-in (as on CUDA)."""
+    made = graph_tape.install(monkeypatch)
+    init = graphs.DecodeGraphRunner.__init__
+
+    def init_capturing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_cuda_graphs = True
+
+    monkeypatch.setattr(graphs.DecodeGraphRunner, "__init__", init_capturing)
+    return made
+
+
+def _runner(model):
+    (runner,) = model._astrai_patch_state.runners.values()
+    return runner
+
+
+def _used(model) -> int:
+    return astrai_hf.get_pool(model).stats()["num_used_pages"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replays_that_run_no_python_give_stocks_tokens(captured, arch):
+    stock = tiny_model(arch)
+    batches = [left_padded_batch([5, 1, 12], seed=4), left_padded_batch([7, 3], seed=5)]
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = [stock.generate(ids, attention_mask=mask, **kw) for ids, mask in batches]
+    model = tiny_model(arch)
+    astrai_hf.patch(model, max_tokens=1024, page_size=4, cuda_graphs=True)
+    try:
+        got = [model.generate(ids, attention_mask=mask, **kw) for ids, mask in batches]
+        runner = _runner(model)
+        assert runner.captured == [4, 2] and len(captured) == 2
+        assert [g.replays for g in captured] == [5, 5]  # every decode step replayed (a capture does not replay)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert _used(model) == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_batch_sizes_1_to_9_and_17_then_8_then_3_and_beams_replay_as_stock(captured):
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    astrai_hf.patch(model, max_tokens=4096, page_size=4, cuda_graphs=True)
+    try:
+        for batch in [*range(1, 10), 17, 8, 3]:
+            ids, mask = left_padded_batch([3 + (7 * i) % 11 for i in range(batch)], seed=batch)
+            kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+            assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw)), batch
+        ids, mask = left_padded_batch([6, 2], seed=1)
+        kw = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        assert sorted(set(_runner(model).captured)) == [1, 2, 4, 8, 16, 24]
+        assert len(captured) == 6 and _used(model) == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def _new_tensors(model):
+    g = torch.Generator().manual_seed(1)
+    model.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in model.state_dict().items()},
+                          assign=True)
+
+
+def _in_place(model):
+    g = torch.Generator().manual_seed(1)
+    model.load_state_dict({k: torch.randn(v.shape, generator=g) * 0.5 for k, v in model.state_dict().items()})
+
+
+def _param_data(model):
+    weight = model.model.layers[0].mlp.down_proj.weight
+    weight.data = torch.randn(weight.shape, generator=torch.Generator().manual_seed(2))
+
+
+def _new_lm_head(model):
+    torch.manual_seed(3)
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+
+
+def _resized(model):
+    torch.manual_seed(4)
+    model.resize_token_embeddings(model.config.vocab_size + 40, mean_resizing=False)
+    with torch.no_grad():
+        model.lm_head.weight[-40:].normal_(0, 1.0)  # new tokens that win the argmax now and then
+
+
+def _steered(model):
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 0.5
+    model.model.layers[0].register_forward_hook(lambda m, a, out: (out[0] + steer, *out[1:]) if isinstance(out, tuple)
+                                                else out + steer)
+
+
+CHANGES = {
+    "load_state_dict(assign=True)": _new_tensors,
+    "param.data = ...": _param_data,
+    "a module assigned anew": _new_lm_head,
+    "resize_token_embeddings()": _resized,
+    "a forward hook added": _steered,
+    "load_state_dict() in place": _in_place,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_model_changed_after_its_graphs_were_captured_gets_them_captured_again(captured, change):
+    # a graph holds the addresses of the tensors it read and the Python decisions of its capture: replayed after a
+    # parameter got a new tensor (on a GPU the old one's memory is freed) or a hook was added, it computed the model
+    # as it was. Values written in place are read by a replay: those keep the graphs.
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([5, 1, 12], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    before = stock.generate(ids, **kw)
+    CHANGES[change](stock)
+    want = stock.generate(ids, **kw)
+    assert not torch.equal(want, before)  # the change changes the tokens
+    astrai_hf.patch(model, max_tokens=1024, page_size=4, cuda_graphs=True)
+    try:
+        assert torch.equal(model.generate(ids, **kw), before)
+        first = _runner(model)
+        CHANGES[change](model)
+        assert torch.equal(model.generate(ids, **kw), want)
+        graph = captured[-1]
+        assert all(graph.reads(p) for p in model.parameters())  # the graph replayed reads the model's tensors now
+        kept = change.endswith("in place")
+        assert (_runner(model) is first) == kept and len(captured) == (1 if kept else 2)
+        assert torch.equal(model.generate(ids, **kw), want) and len(captured) == (1 if kept else 2)
+        assert _used(model) == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_a_peft_adapter_disabled_after_capture_gets_the_graphs_captured_again(captured):
+    peft = pytest.importorskip("peft")
+
+    def lora(model):
+        torch.manual_seed(6)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return peft.get_peft_model(model, config).eval()
+
+    stock = lora(tiny_model("llama"))
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    adapted = stock.generate(**kw)
+    with stock.disable_adapter():
+        plain = stock.generate(**kw)
+    assert not torch.equal(adapted, plain)
+    base = tiny_model("llama")
+    astrai_hf.patch(base, max_tokens=1024, page_size=4, cuda_graphs=True)
+    model = lora(base)
+    try:
+        assert torch.equal(model.generate(**kw), adapted)
+        with model.disable_adapter():
+            assert torch.equal(model.generate(**kw), plain)
+        assert torch.equal(model.generate(**kw), adapted)
+        assert len(captured) == 3 and _used(base) == 0
+    finally:
+        astrai_hf.unpatch(base)
+
+
+def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
+    # the stand-in refuses host reads during a capture, as CUDA refuses them on a capturing stream; transformers
+    # skips its own (GPT-2's padding check) when it sees a capture
+    model = tiny_model("gpt2", pad_token_id=0)
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(astrai_hf.patched(model, max_tokens=1024, page_size=4, cuda_graphs=True))
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert len(captured) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    with pytest.raises(RuntimeError, match="reads a tensor back to the host during a graph capture"):
+        with astrai_hf.patched(model, pool, cuda_graphs=True):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert pool.stats()["num_used_pages"] == 0
