@@ -324,8 +324,19 @@ class DecodeGraphRunner:
         from .attention import on_device
 
         start = time.perf_counter()
+        model = self.model
         if self._layout is None:  # what the graphs hold fixed (checked by still_fits before later calls)
-            self._layout = ModelLayout(self.model), self.pool.weights_stamp
+            self._layout = ModelLayout(model), self.pool.weights_stamp
+        elif not self._layout[0].matches(model):
+            # the model changed since the other buckets were captured, inside a call (a hook added within a loop
+            # of one's own): those graphs are stale now, and this one is once the change is undone. The pool's
+            # check ran before the change: it looks again now (dropping prefixes the change made stale too), so
+            # that its stamp moves when the change is undone.
+            logger.info("decode runner: the model changed since its graphs were captured; dropping %d of them",
+                        len(self.graphs))
+            self.graphs = {}
+            self.pool.check_weights(model)
+            self._layout = ModelLayout(model), self.pool.weights_stamp
         # a PagedCache collected mid-capture would free its table rows with host-to-device copies, which break
         # the capture (or land in the graph): no garbage collection until the graph is captured
         collecting = gc.isenabled()

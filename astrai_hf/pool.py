@@ -916,7 +916,8 @@ class ModelLayout:
     fixed until captured again.
 
     - the storage of each parameter and buffer, held by weak reference (a new one: ``load_state_dict(assign=True)``,
-      ``.to(dtype)``, ``param.data = ...``, ``resize_token_embeddings()``, a module assigned anew);
+      ``.to(dtype)``, ``param.data = ...``, ``resize_token_embeddings()``, a module assigned anew), and how it is
+      viewed (dtype, shape, strides, offset: ``w.data = w.data.t()``);
     - the packed weights of torch's quantized modules, by identity;
     - each module's code and settings: its class, a ``forward`` replaced on the class or the instance, a submodule
       swapped for another, a float attribute or ``sliding_window`` changed (``scaling``);
@@ -926,13 +927,15 @@ class ModelLayout:
       a ``sliding_window`` or RoPE setting edited on a loaded model).
 
     Values written in place (an optimizer step, ``load_state_dict``) leave it as it is. Tensors offloaded to disk
-    or CPU by a ``device_map`` are not watched. A check walks every module and tensor (a few milliseconds for a
+    or CPU by a ``device_map`` are not watched, nor is what a hook reads from its own Python state (a hook object
+    whose attributes change keeps its id: a graph keeps what it read at the capture). A check walks every module and tensor (a few milliseconds for a
     model of 30 layers).
     """
 
     def __init__(self, model: torch.nn.Module, tensors: list[torch.Tensor] | None = None):
         tensors = _local_tensors(model) if tensors is None else tensors
         self.storages = [weakref.ref(_storage_of(t)) for t in tensors]
+        self.views = [_view_of(t) for t in tensors]
         self.packed = [weakref.ref(obj) for obj in _packed_params(model).values()]
         self.behaviour = _behaviour(model)
         self.config = _config_digest(model)
@@ -944,6 +947,7 @@ class ModelLayout:
         return (
             len(tensors) == len(self.storages)
             and all(ref() is _storage_of(t) for ref, t in zip(self.storages, tensors))
+            and [_view_of(t) for t in tensors] == self.views
             and len(packed) == len(self.packed) and all(ref() is obj for ref, obj in zip(self.packed, packed))
             and _behaviour(model) == self.behaviour
             and _config_digest(model) == self.config
@@ -981,6 +985,12 @@ def _values_of(t: torch.Tensor) -> torch.Tensor:
     if t.layout == torch.strided:
         return t
     return t._values() if t.layout == torch.sparse_coo else t.values()
+
+
+def _view_of(t: torch.Tensor) -> tuple:
+    """How ``t`` reads its storage: dtype, shape, strides and offset (``w.data = w.data.t()`` keeps the storage)."""
+    t = _values_of(t)
+    return t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
 
 
 def _storage_of(t: torch.Tensor):

@@ -91,6 +91,11 @@ def _param_data(model):
     weight.data = torch.randn(weight.shape, generator=torch.Generator().manual_seed(2))
 
 
+def _transposed(model):
+    weight = model.model.layers[0].self_attn.o_proj.weight  # (square) the same storage, read another way
+    weight.data = weight.data.t()
+
+
 def _new_lm_head(model):
     torch.manual_seed(3)
     model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
@@ -112,6 +117,7 @@ def _steered(model):
 CHANGES = {
     "load_state_dict(assign=True)": _new_tensors,
     "param.data = ...": _param_data,
+    "param.data = param.data.t()": _transposed,
     "a module assigned anew": _new_lm_head,
     "resize_token_embeddings()": _resized,
     "a forward hook added": _steered,
@@ -142,6 +148,34 @@ def test_a_model_changed_after_its_graphs_were_captured_gets_them_captured_again
         kept = change.endswith("in place")
         assert (_runner(model) is first) == kept and len(captured) == (1 if kept else 2)
         assert torch.equal(model.generate(ids, **kw), want) and len(captured) == (1 if kept else 2)
+        assert _used(model) == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_a_hook_added_inside_a_loop_of_ones_own_and_removed_after_it_leaves_no_stale_graph(captured):
+    # a bucket captured inside the loop held the hook; once it was removed the model matched what the first graph
+    # was captured over, so nothing looked again, and later calls replayed the hook
+    from astrai_hf import PagedCache
+
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    astrai_hf.patch(model, max_tokens=1024, page_size=4, cuda_graphs=True)
+    try:
+        ids, mask = left_padded_batch([5, 1, 12], seed=4)
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)  # captures bucket 4
+        steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+        with torch.no_grad(), PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            out = model(input_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True)
+            hook = model.model.layers[0].register_forward_hook(
+                lambda m, a, o: (o[0] + steer, *o[1:]) if isinstance(o, tuple) else o + steer)
+            for _ in range(3):  # captures bucket 1, the hook in it
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                            logits_to_keep=1)
+            hook.remove()
+        for lengths, seed in (([6], 7), ([5, 1, 12], 4)):
+            ids, mask = left_padded_batch(lengths, seed=seed)
+            kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw)), lengths
         assert _used(model) == 0
     finally:
         astrai_hf.unpatch(model)
