@@ -387,6 +387,16 @@ def _steered(model, global_hook=False):
 
 
 @contextlib.contextmanager
+def _transposed(model):
+    weight = model.model.layers[0].self_attn.o_proj.weight  # (square) the same storage, read another way
+    weight.data = weight.data.t()
+    try:
+        yield
+    finally:
+        weight.data = weight.data.t()
+
+
+@contextlib.contextmanager
 def _rope_scaled(model):
     with torch.no_grad():
         model.model.rotary_emb.inv_freq.mul_(0.25)  # position interpolation, in place on a buffer
@@ -489,6 +499,7 @@ CHANGES = {
     "forward hook": lambda peft_model, model: _steered(model),
     "global forward hook": lambda peft_model, model: _steered(model, global_hook=True),
     "RoPE buffer in place": lambda peft_model, model: _rope_scaled(model),
+    "param.data = param.data.t()": lambda peft_model, model: _transposed(model),
     "peft disable_adapter()": lambda peft_model, model: peft_model.disable_adapter(),
 }
 
