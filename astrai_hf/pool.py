@@ -928,8 +928,8 @@ class ModelLayout:
 
     Values written in place (an optimizer step, ``load_state_dict``) leave it as it is. Tensors offloaded to disk
     or CPU by a ``device_map`` are not watched, nor is what a hook reads from its own Python state (a hook object
-    whose attributes change keeps its id: a graph keeps what it read at the capture). A check walks every module and tensor (a few milliseconds for a
-    model of 30 layers).
+    whose attributes change keeps its id: a graph keeps what it read at the capture). A check walks every module
+    and tensor (a few milliseconds for a model of 30 layers).
     """
 
     def __init__(self, model: torch.nn.Module, tensors: list[torch.Tensor] | None = None):

@@ -34,8 +34,23 @@ def _runner(model):
     return runner
 
 
-def _used(model) -> int:
-    return astrai_hf.get_pool(model).stats()["num_used_pages"]
+@contextlib.contextmanager
+def _patched(model, max_tokens=1024):
+    """``model`` patched with graphs for the block; every page back in the pool when it is left."""
+    astrai_hf.patch(model, max_tokens=max_tokens, page_size=4, cuda_graphs=True)
+    pool = astrai_hf.get_pool(model)
+    try:
+        yield model
+        assert pool.stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def _steer(model, scale=0.5):
+    """A forward hook shifting the residual stream after layer 0 (activation steering); returns its handle."""
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * scale
+    return model.model.layers[0].register_forward_hook(
+        lambda m, a, out: (out[0] + steer, *out[1:]) if isinstance(out, tuple) else out + steer)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -45,23 +60,18 @@ def test_replays_that_run_no_python_give_stocks_tokens(captured, arch):
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
     want = [stock.generate(ids, attention_mask=mask, **kw) for ids, mask in batches]
     model = tiny_model(arch)
-    astrai_hf.patch(model, max_tokens=1024, page_size=4, cuda_graphs=True)
-    try:
+    with _patched(model):
         got = [model.generate(ids, attention_mask=mask, **kw) for ids, mask in batches]
         runner = _runner(model)
         assert runner.captured == [4, 2] and len(captured) == 2
         assert [g.replays for g in captured] == [5, 5]  # every decode step replayed (a capture does not replay)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
-        assert _used(model) == 0
-    finally:
-        astrai_hf.unpatch(model)
 
 
 def test_batch_sizes_1_to_9_and_17_then_8_then_3_and_beams_replay_as_stock(captured):
     stock, model = tiny_model("llama"), tiny_model("llama")
-    astrai_hf.patch(model, max_tokens=4096, page_size=4, cuda_graphs=True)
-    try:
+    with _patched(model, max_tokens=4096):
         for batch in [*range(1, 10), 17, 8, 3]:
             ids, mask = left_padded_batch([3 + (7 * i) % 11 for i in range(batch)], seed=batch)
             kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
@@ -70,9 +80,7 @@ def test_batch_sizes_1_to_9_and_17_then_8_then_3_and_beams_replay_as_stock(captu
         kw = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, num_return_sequences=2, do_sample=False)
         assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
         assert sorted(set(_runner(model).captured)) == [1, 2, 4, 8, 16, 24]
-        assert len(captured) == 6 and _used(model) == 0
-    finally:
-        astrai_hf.unpatch(model)
+        assert len(captured) == 6
 
 
 def _new_tensors(model):
@@ -108,19 +116,13 @@ def _resized(model):
         model.lm_head.weight[-40:].normal_(0, 1.0)  # new tokens that win the argmax now and then
 
 
-def _steered(model):
-    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 0.5
-    model.model.layers[0].register_forward_hook(lambda m, a, out: (out[0] + steer, *out[1:]) if isinstance(out, tuple)
-                                                else out + steer)
-
-
 CHANGES = {
     "load_state_dict(assign=True)": _new_tensors,
     "param.data = ...": _param_data,
     "param.data = param.data.t()": _transposed,
     "a module assigned anew": _new_lm_head,
     "resize_token_embeddings()": _resized,
-    "a forward hook added": _steered,
+    "a forward hook added": _steer,
     "load_state_dict() in place": _in_place,
 }
 
@@ -137,8 +139,7 @@ def test_a_model_changed_after_its_graphs_were_captured_gets_them_captured_again
     CHANGES[change](stock)
     want = stock.generate(ids, **kw)
     assert not torch.equal(want, before)  # the change changes the tokens
-    astrai_hf.patch(model, max_tokens=1024, page_size=4, cuda_graphs=True)
-    try:
+    with _patched(model):
         assert torch.equal(model.generate(ids, **kw), before)
         first = _runner(model)
         CHANGES[change](model)
@@ -148,9 +149,6 @@ def test_a_model_changed_after_its_graphs_were_captured_gets_them_captured_again
         kept = change.endswith("in place")
         assert (_runner(model) is first) == kept and len(captured) == (1 if kept else 2)
         assert torch.equal(model.generate(ids, **kw), want) and len(captured) == (1 if kept else 2)
-        assert _used(model) == 0
-    finally:
-        astrai_hf.unpatch(model)
 
 
 def test_a_hook_added_inside_a_loop_of_ones_own_and_removed_after_it_leaves_no_stale_graph(captured):
@@ -159,26 +157,20 @@ def test_a_hook_added_inside_a_loop_of_ones_own_and_removed_after_it_leaves_no_s
     from astrai_hf import PagedCache
 
     stock, model = tiny_model("llama"), tiny_model("llama")
-    astrai_hf.patch(model, max_tokens=1024, page_size=4, cuda_graphs=True)
-    try:
+    with _patched(model):
         ids, mask = left_padded_batch([5, 1, 12], seed=4)
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)  # captures bucket 4
-        steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5))
         with torch.no_grad(), PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
-            out = model(input_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=cache, use_cache=True)
-            hook = model.model.layers[0].register_forward_hook(
-                lambda m, a, o: (o[0] + steer, *o[1:]) if isinstance(o, tuple) else o + steer)
+            kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+            out = model(input_ids=torch.tensor([[5, 6, 7, 8]]), **kw)
+            hook = _steer(model, scale=1.0)
             for _ in range(3):  # captures bucket 1, the hook in it
-                out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
-                            logits_to_keep=1)
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), logits_to_keep=1, **kw)
             hook.remove()
         for lengths, seed in (([6], 7), ([5, 1, 12], 4)):
             ids, mask = left_padded_batch(lengths, seed=seed)
             kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
             assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw)), lengths
-        assert _used(model) == 0
-    finally:
-        astrai_hf.unpatch(model)
 
 
 def test_a_peft_adapter_disabled_after_capture_gets_the_graphs_captured_again(captured):
@@ -196,17 +188,13 @@ def test_a_peft_adapter_disabled_after_capture_gets_the_graphs_captured_again(ca
     with stock.disable_adapter():
         plain = stock.generate(**kw)
     assert not torch.equal(adapted, plain)
-    base = tiny_model("llama")
-    astrai_hf.patch(base, max_tokens=1024, page_size=4, cuda_graphs=True)
-    model = lora(base)
-    try:
+    with _patched(tiny_model("llama")) as base:
+        model = lora(base)
         assert torch.equal(model.generate(**kw), adapted)
         with model.disable_adapter():
             assert torch.equal(model.generate(**kw), plain)
         assert torch.equal(model.generate(**kw), adapted)
-        assert len(captured) == 3 and _used(base) == 0
-    finally:
-        astrai_hf.unpatch(base)
+        assert len(captured) == 3
 
 
 def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
@@ -214,8 +202,7 @@ def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
     # skips its own (GPT-2's padding check) when it sees a capture
     model = tiny_model("gpt2", pad_token_id=0)
     ids, mask = left_padded_batch([5, 9], seed=1)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(astrai_hf.patched(model, max_tokens=1024, page_size=4, cuda_graphs=True))
+    with _patched(model):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert len(captured) == 1
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
