@@ -6,7 +6,9 @@ positions, each row's ``req_to_token`` row, ``seq_lens``, ``slot_mapping``). A b
 rows read and write only the trash page (slot 0). Graphs are captured lazily, on a bucket's first decode
 step, or all at once, largest first, by :func:`astrai_hf.capture_graphs`, into one memory pool shared by all
 buckets (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it cannot replay (several
-tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager. A model changed
+tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager, and so do all decode
+steps of a model whose forward cannot be captured (it reads a tensor back to the host, as dynamic RoPE scaling does
+to compare the longest position with its cached length). A model changed
 since its graphs were captured (a parameter given a new tensor, a hook added, an adapter switched) has them captured
 again at its next call (:meth:`DecodeGraphRunner.still_fits`).
 
@@ -33,6 +35,12 @@ from .pool import ModelLayout
 from .storage import gather_kv
 
 logger = logging.getLogger(__name__)
+
+
+class CaptureRefused(RuntimeError):
+    """The model's decode step could not be captured as a CUDA graph (CUDA refused an operation of its forward on a
+    capturing stream: a read back to the host, a synchronisation). The step runs eagerly instead; see
+    :attr:`DecodeGraphRunner.uncapturable`."""
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -203,6 +211,10 @@ class DecodeGraphRunner:
         self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (warm-up included)
         # (the model's ModelLayout when the first graph was captured, the pool's weights stamp it was last seen at)
         self._layout: tuple[ModelLayout, object] | None = None
+        # why the model's decode step cannot be captured (CUDA refused an operation of its forward during a capture),
+        # or None: every decode step then runs eagerly, until the model changes (a new runner tries again)
+        self.uncapturable: str | None = None
+        self.warn_refusal = True  # a refused capture logs a warning (else at info: a runner before this one warned)
 
     @property
     def model(self):
@@ -246,7 +258,7 @@ class DecodeGraphRunner:
         """A one-token-per-row step of a plain forward that fits a bucket."""
         if self.workspace is None or input_ids is None or input_ids.shape[1] != 1 or step.is_packed:
             return False
-        if self.length_readers:
+        if self.length_readers or self.uncapturable is not None:
             return False
         if step.group != 1 or self.bucket_for(input_ids.shape[0]) is None:
             return False
@@ -260,7 +272,12 @@ class DecodeGraphRunner:
 
     def run(self, cache, step: StepMetadata, kwargs: dict, input_ids: torch.Tensor, state):
         """Run one decode step through the bucket's graph; returns the model output with this step's logits
-        ([B, 1, vocab], a fresh tensor the next replay does not touch) and ``cache``."""
+        ([B, 1, vocab], a fresh tensor the next replay does not touch) and ``cache``.
+
+        Raises:
+            CaptureRefused: the bucket's graph was to be captured and CUDA refused the forward; the step's K/V may
+                be stored already (the warm-up run stored them), so the caller runs the step again, eagerly.
+        """
         B = input_ids.shape[0]
         bucket = self.bucket_for(B)
         ws = self.workspace
@@ -292,16 +309,20 @@ class DecodeGraphRunner:
             state: the model's patch state, with paged attention switched on.
 
         Returns:
-            ``{bucket: seconds}`` for the buckets captured by this call, largest first (0.0 on the stand-in).
+            ``{bucket: seconds}`` for the buckets captured by this call, largest first (0.0 on the stand-in); empty
+            when the model's forward cannot be captured (:attr:`uncapturable` says why, and a warning was logged).
         """
         if self.workspace is None:
             raise RuntimeError("this DecodeGraphRunner was closed")
         done = {}
         for bucket in sorted(self.buckets, reverse=True):
-            if bucket in self.graphs:
+            if bucket in self.graphs or self.uncapturable is not None:
                 continue
             self.workspace.pad(0, bucket)
-            self.graphs[bucket] = self._capture(bucket, cache, kwargs, state)
+            try:
+                self.graphs[bucket] = self._capture(bucket, cache, kwargs, state)
+            except CaptureRefused:
+                break
             self.captured.append(bucket)
             done[bucket] = self.capture_seconds.get(bucket, 0.0)
         return done
@@ -353,11 +374,37 @@ class DecodeGraphRunner:
                 if self._mempool is None:
                     self._mempool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._mempool):
-                    static_out = self._forward(bucket, cache, kwargs, state, gstep)
+                before = torch.cuda.current_stream()
+                try:
+                    with torch.cuda.graph(graph, pool=self._mempool):
+                        static_out = self._forward(bucket, cache, kwargs, state, gstep)
+                except RuntimeError as e:  # (torch's AcceleratorError is one too)
+                    self._refused(bucket, e, before)
         finally:
             if collecting:
                 gc.enable()
         self.capture_seconds[bucket] = time.perf_counter() - start
         logger.info("decode runner: captured bucket %d in %.3f s", bucket, self.capture_seconds[bucket])
         return graph, static_out, gstep
+
+    def _refused(self, bucket: int, error: RuntimeError, stream) -> None:
+        """A capture CUDA refused: the model's decode steps run eagerly from now on; raises :class:`CaptureRefused`.
+
+        The warm-up run before the capture succeeded, so the forward itself works: what failed is an operation CUDA
+        does not allow on a capturing stream (a read back to the host, such as dynamic RoPE's length check, or a
+        synchronisation). torch's ``graph`` context does not leave its capture stream when ending the capture
+        fails, so the stream current before it is set again here.
+        """
+        torch.cuda.set_stream(stream)
+        self.graphs.pop(bucket, None)
+        model = self.model
+        name = type(model).__name__ if model is not None else "the model"
+        cause = error  # (ending the capture raises an error of its own, in whose context the refused operation's is)
+        while isinstance(cause.__context__, Exception):
+            cause = cause.__context__
+        self.uncapturable = f"{type(cause).__name__}: {cause}".splitlines()[0]
+        logger.log(logging.WARNING if self.warn_refusal else logging.INFO,
+                   "%s's decode step cannot be captured as a CUDA graph (%s); its decode steps run eagerly. "
+                   "patch(model, cuda_graphs=False) runs them so without trying", name, self.uncapturable)
+        raise CaptureRefused(f"capturing the decode step of {name} (bucket {bucket}) failed: "
+                             f"{self.uncapturable}") from error

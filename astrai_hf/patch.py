@@ -22,6 +22,7 @@ from .cache import PATCH_STATE_ATTR, PagedCache, autocast_on, cache_kwarg, forge
 from .config import KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
+from .graphs import CaptureRefused, DecodeGraphRunner
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules, unsupported_model
 
@@ -855,11 +856,14 @@ def _runner(model, state: PatchState, pool: PagePool):
         # before its first step, saw the model change since
         logger.info("%s changed since its decode graphs were captured (a parameter given a new tensor, a hook, an "
                     "adapter): capturing them again", type(model).__name__)
-        state.runners.pop(id(pool)).close()
-        runner = None
+        old = state.runners.pop(id(pool))
+        old.close()
+        runner = DecodeGraphRunner(model, state.forward, pool)
+        # (a model whose forward changes a buffer it reads, as longrope did before transformers 5.2x, changes at
+        # every call; its refusals were warned of once)
+        runner.warn_refusal = old.warn_refusal and old.uncapturable is None
+        state.runners[id(pool)] = runner
     if runner is None:
-        from .graphs import DecodeGraphRunner
-
         runner = state.runners[id(pool)] = DecodeGraphRunner(model, state.forward, pool)
     return runner
 
@@ -980,8 +984,15 @@ def _wrap_forward(owner, forward, state: PatchState):
                 if runner.can_run(step, kwargs, input_ids):
                     if runner.has_graph(B):  # a replay runs no attention code: nothing to switch
                         return runner.run(cache, step, kwargs, input_ids, state)
-                    with paged_attention_on(state, step, cache.pool):  # (the capture, or the stand-in's forward)
-                        return runner.run(cache, step, kwargs, input_ids, state)
+                    planned = cache._pending_known, cache._pending_q
+                    try:
+                        with paged_attention_on(state, step, cache.pool):  # (the capture, or the stand-in's forward)
+                            return runner.run(cache, step, kwargs, input_ids, state)
+                    except CaptureRefused:
+                        # the capture's warm-up stored this step's K/V already; the eager step below stores the
+                        # same again into the same slots, with the step planned as it was
+                        cache._step, cache._step_layers = step, set()
+                        cache._pending_known, cache._pending_q = planned
             with paged_attention_on(state, step, cache.pool):
                 chunk_tokens = None if state.rope_by_length or as_fed else state.prefill_chunk_tokens
                 if state.packable and not args and not as_fed and packing.wants_packing(

@@ -4,14 +4,13 @@ each result into the tensor the capture produced. As with a real CUDA graph, any
 during the capture (a hook that ran, a branch taken, a parameter looked up on a module) is fixed until the graph is
 captured again, and a tensor replaced after the capture (a parameter assigned anew) is not read by a replay.
 
-``install(monkeypatch)`` swaps ``torch.cuda.CUDAGraph``, ``graph``, ``Stream``, ``stream``, ``current_stream`` and
-``graph_pool_handle`` (and ``is_current_stream_capturing``, which transformers asks before a host read) for the
+``install(monkeypatch)`` swaps ``torch.cuda.CUDAGraph``, ``graph``, ``Stream``, ``stream``, ``current_stream``,
+``set_stream`` and ``graph_pool_handle`` (and ``is_current_stream_capturing``, which transformers asks before a host read) for the
 stand-ins and returns the list of graphs captured.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import torch
@@ -90,19 +89,45 @@ class Stream:
 def install(monkeypatch) -> list[CUDAGraph]:
     captured: list[CUDAGraph] = []
     capturing = []
+    current = [Stream()]  # the current stream
+    capture_stream = Stream()
 
-    @contextlib.contextmanager
-    def graph(g, pool=None):
-        assert pool is not None and not gc.isenabled(), "capture into the shared pool, garbage collection off"
-        capturing.append(g)
-        try:
-            with _Recorder(g.ops):
-                yield
-        finally:
+    class stream:  # noqa: N801 (torch.cuda.stream): the stream given is current within the block
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.s
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+
+    class graph:  # noqa: N801 (torch.cuda.graph)
+        """As torch's: the capture runs on a stream of its own; when the body raised, ending the capture raises
+        too (CUDA invalidated it) and the stream current before it is not set again."""
+
+        def __init__(self, g, pool=None):
+            assert pool is not None and not gc.isenabled(), "capture into the shared pool, garbage collection off"
+            self.g = g
+
+        def __enter__(self):
+            self.before, current[0] = current[0], capture_stream
+            capturing.append(self.g)
+            self.recorder = _Recorder(self.g.ops)
+            self.recorder.__enter__()
+
+        def __exit__(self, *exc):
+            self.recorder.__exit__(*exc)
             capturing.pop()
-        captured.append(g)
+            if exc[0] is not None:
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            current[0] = self.before
+            captured.append(self.g)
 
-    for name, value in dict(Stream=Stream, current_stream=Stream, stream=lambda s: contextlib.nullcontext(),
+    def set_stream(s) -> None:
+        current[0] = s
+
+    for name, value in dict(Stream=Stream, current_stream=lambda: current[0], stream=stream, set_stream=set_stream,
                             graph_pool_handle=object, CUDAGraph=CUDAGraph, graph=graph,
                             is_current_stream_capturing=lambda: bool(capturing)).items():
         monkeypatch.setattr(torch.cuda, name, value)

@@ -200,14 +200,69 @@ def test_a_peft_adapter_disabled_after_capture_gets_the_graphs_captured_again(ca
 def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
     # the stand-in refuses host reads during a capture, as CUDA refuses them on a capturing stream; transformers
     # skips its own (GPT-2's padding check) when it sees a capture
-    model = tiny_model("gpt2", pad_token_id=0)
+    stock, model = tiny_model("gpt2", pad_token_id=0), tiny_model("gpt2", pad_token_id=0)
     ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    want = stock.generate(ids, **kw)
     with _patched(model):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert torch.equal(model.generate(ids, **kw), want)
     assert len(captured) == 1
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
-    with pytest.raises(RuntimeError, match="reads a tensor back to the host during a graph capture"):
-        with astrai_hf.patched(model, pool, cuda_graphs=True):
-            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert pool.stats()["num_used_pages"] == 0
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # GPT-2 reads then
+    with _patched(model):
+        assert torch.equal(model.generate(ids, **kw), want)  # eagerly
+        assert "reads a tensor back to the host" in _runner(model).uncapturable
+    assert len(captured) == 1
+
+
+def _reads_the_host(model):
+    """A forward hook of the kind people add to watch a model (it reads a value back to the host every call)."""
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out[0].abs().max().item()))
+    return seen
+
+
+UNCAPTURABLE = {
+    # dynamic RoPE scaling compares the longest position with its cached length on the host each forward
+    "dynamic RoPE": lambda: tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    # longrope picks its frequencies by the longest position: on the host before transformers 5.2x, on the device
+    # (torch.where, a capturable step) since
+    "longrope": lambda: tiny_model("phi3", original_max_position_embeddings=16, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "factor": 4.0}),
+    "a hook reading the host": lambda: (m := tiny_model("llama"), _reads_the_host(m))[0],
+}
+
+
+@pytest.mark.parametrize("case", list(UNCAPTURABLE))
+def test_a_forward_cuda_cannot_capture_runs_its_decode_steps_eagerly(captured, case, caplog):
+    # CUDA refuses a read back to the host on a capturing stream; generate() raised that error, leaving the current
+    # stream the capture's own (torch's graph context does not restore it when ending the capture fails)
+    stock, model = UNCAPTURABLE[case](), UNCAPTURABLE[case]()
+    batches = [left_padded_batch([5, 1, 12], seed=4), left_padded_batch([7], seed=5)]  # crossing 16 positions
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    want = [stock.generate(ids, attention_mask=mask, **kw) for ids, mask in batches]
+    stream = torch.cuda.current_stream()
+    with _patched(model), caplog.at_level("WARNING", logger="astrai_hf.graphs"):
+        for _ in range(2):
+            for (ids, mask), w in zip(batches, want):
+                assert torch.equal(model.generate(ids, attention_mask=mask, **kw), w)
+        assert torch.cuda.current_stream() is stream
+        runner = _runner(model)
+        refused = [r for r in caplog.records if "cannot be captured" in r.getMessage()]
+        if runner.uncapturable is None:  # (longrope on a release that picks its frequencies on the device)
+            assert runner.captured == [4, 1] and not refused
+            return
+        assert runner.captured == [] and len(captured) == 0 and runner.replays == 0
+        assert len(refused) == 1 and type(model).__name__ in refused[0].getMessage()  # once, not per step
+        assert astrai_hf.capture_graphs(model) == {}
+
+
+def test_capture_graphs_on_a_forward_cuda_cannot_capture_warns_and_generate_runs_eagerly(captured, caplog):
+    stock, model = UNCAPTURABLE["dynamic RoPE"](), UNCAPTURABLE["dynamic RoPE"]()
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with _patched(model), caplog.at_level("WARNING", logger="astrai_hf.graphs"):
+        assert astrai_hf.capture_graphs(model) == {}
+        assert "cannot be captured as a CUDA graph" in caplog.text
+        assert "_local_scalar_dense" in _runner(model).uncapturable
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+    assert len(captured) == 0
