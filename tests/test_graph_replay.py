@@ -266,3 +266,21 @@ def test_capture_graphs_on_a_forward_cuda_cannot_capture_warns_and_generate_runs
         assert "_local_scalar_dense" in _runner(model).uncapturable
         assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
     assert len(captured) == 0
+
+
+def test_once_the_host_read_is_gone_the_next_call_captures(captured):
+    # a refusal holds for the model as it was: removing the hook that read the host changes the model, and the
+    # next call captures and replays
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([5, 1, 12], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = stock.generate(ids, **kw)
+    with _patched(model):
+        seen = []
+        hook = model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out[0].sum().item()))
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert _runner(model).uncapturable is not None and len(captured) == 0 and seen
+        hook.remove()
+        assert torch.equal(model.generate(ids, **kw), want)
+        runner = _runner(model)
+        assert runner.uncapturable is None and runner.captured == [4] and runner.replays == 5
