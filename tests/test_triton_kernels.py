@@ -108,6 +108,38 @@ def test_extend_matches_reference(case, groups, variant, memory):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("D", [12, 20])
+def test_head_dims_that_are_not_a_power_of_two(D):
+    # (Phi-2's 80, 96, 72: the kernels pad the head to a power of two and mask the rest)
+    seq, H_kv, groups = [3, 4, 5, 9], 2, 3
+    H = H_kv * groups
+    k_cache, v_cache, _, _, meta, _ = _build([s - 1 for s in seq], [1] * len(seq), 1, H_kv, D, PAGE, torch.float32, 7)
+    query = torch.randn(len(seq), H, 1, D, generator=torch.Generator().manual_seed(1))
+    kw = dict(scaling=0.3, sliding_window=3, softcap=2.0)
+    want = paged_attention(query, k_cache, v_cache, meta, **kw)[:, 0]
+    got = tk.decode_attention(query[:, :, 0].contiguous(), k_cache, v_cache, meta.table, meta.req_rows,
+                              torch.tensor(seq, dtype=torch.int32), num_splits=2, **kw)
+    torch.testing.assert_close(got, want, **TOL)
+
+    prev, new = [5, 0, 2], [3, 4, 1]
+    k_cache, v_cache, _, _, meta, _ = _build(prev, new, max(new), H_kv, D, PAGE, torch.float32, 3)
+    packed = meta.pack()
+    query = torch.randn(1, H, sum(new), D, generator=torch.Generator().manual_seed(2))
+    want = packed_paged_attention(query, k_cache, v_cache, packed, **kw)[0]
+    got = tk.extend_attention(query[0].transpose(0, 1).contiguous(), k_cache, v_cache, meta.table, meta.req_rows,
+                              torch.tensor(packed.seq_lens, dtype=torch.int32),
+                              torch.tensor(packed.qo_indptr, dtype=torch.int32), max(new), **kw)
+    torch.testing.assert_close(got, want, **TOL)
+
+    k_cache, v_cache = torch.zeros(12 * PAGE, H_kv, D), torch.zeros(12 * PAGE, H_kv, D)
+    slots = torch.tensor([5, 17, 3, 40], dtype=torch.long)
+    k, v = torch.randn(4, H_kv, D), torch.randn(4, H_kv, D)
+    tk.store_kv(k, v, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k[slots], want_v[slots] = k, v
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 def test_counts_of_any_integer_kind_and_a_max_q_len_above_the_longest_row_are_taken():
     # (the checks added for bad input had refused numpy integers and a max_q_len above the queries)
     import numpy as np

@@ -61,6 +61,32 @@ def test_decode_kernel(case, variant, dtype):
     assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
 
 
+@pytest.mark.parametrize("D", [80, 96, 256])  # Phi-2, GPT-NeoX variants, Gemma
+def test_kernels_at_head_dims_of_real_models(D):
+    from astrai_hf.attention import triton_kernels as tk
+    from astrai_hf.attention.reference import packed_paged_attention, paged_attention
+
+    dtype, H_kv, groups = torch.bfloat16, 2, 3
+    kw = dict(scaling=D**-0.5, sliding_window=50, softcap=20.0)
+    seq = [1, PAGE + 1, 300]
+    k_cache, v_cache, meta = _inputs([s - 1 for s in seq], [1] * len(seq), H_kv, D, dtype, 7)
+    query = torch.randn(len(seq), H_kv * groups, 1, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, **kw)[:, 0]
+    got = tk.decode_attention(query[:, :, 0].contiguous().cuda(), k_cache.cuda(), v_cache.cuda(), meta.table.cuda(),
+                              meta.req_rows.cuda(), torch.tensor(seq, dtype=torch.int32, device="cuda"), **kw)
+    torch.testing.assert_close(got.float().cpu(), want, **TOLERANCE[dtype])
+    prev, new = [PAGE - 1, 0], [2, 40]
+    k_cache, v_cache, meta = _inputs(prev, new, H_kv, D, dtype, 3)
+    packed = meta.pack()
+    query = torch.randn(1, H_kv * groups, sum(new), D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = packed_paged_attention(query.float(), k_cache.float(), v_cache.float(), packed, **kw)[0]
+    got = tk.extend_attention(query[0].transpose(0, 1).contiguous().cuda(), k_cache.cuda(), v_cache.cuda(),
+                              meta.table.cuda(), meta.req_rows.cuda(),
+                              torch.tensor(packed.seq_lens, dtype=torch.int32, device="cuda"),
+                              torch.tensor(packed.qo_indptr, dtype=torch.int32, device="cuda"), max(new), **kw)
+    torch.testing.assert_close(got.float().cpu(), want, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 @pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
 @pytest.mark.parametrize("groups", [1, 3, 7])
