@@ -36,46 +36,28 @@ def _inputs(prev, new, H_kv, D, dtype, seed):
     return k_cache, v_cache, meta
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
-@pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_kernel(case, variant, dtype):
+def _check_decode(seq, groups, D, dtype, **kw):
+    """The decode kernel over rows of ``seq`` tokens against the reference; returns its output and the inputs."""
     from astrai_hf.attention import triton_kernels as tk
     from astrai_hf.attention.reference import paged_attention
 
-    seq, groups = DECODE_CASES[case]
-    H_kv, D = 2, 64
+    H_kv = 2
     k_cache, v_cache, meta = _inputs([s - 1 for s in seq], [1] * len(seq), H_kv, D, dtype, 7)
     query = torch.randn(len(seq), H_kv * groups, 1, D, generator=torch.Generator().manual_seed(1)).to(dtype)
-    kw = dict(scaling=D**-0.5, sliding_window=50 if variant == "window" else None,
-              softcap=20.0 if variant == "softcap" else None)
     want = paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, **kw)[:, 0]
-    got = tk.decode_attention(query[:, :, 0].contiguous().cuda(), k_cache.cuda(), v_cache.cuda(), meta.table.cuda(),
-                              meta.req_rows.cuda(), torch.tensor(seq, dtype=torch.int32, device="cuda"), **kw)
+    args = (query[:, :, 0].contiguous().cuda(), k_cache.cuda(), v_cache.cuda(), meta.table.cuda(),
+            meta.req_rows.cuda(), torch.tensor(seq, dtype=torch.int32, device="cuda"))
+    got = tk.decode_attention(*args, **kw)
     torch.testing.assert_close(got.float().cpu(), want, **TOLERANCE[dtype])
-    # the output in the query's dtype, as eager decode and a replayed graph ask for it: rounded by the kernel as
-    # torch rounds the float32 output, to the bit
-    rounded = tk.decode_attention(query[:, :, 0].contiguous().cuda(), k_cache.cuda(), v_cache.cuda(),
-                                  meta.table.cuda(), meta.req_rows.cuda(),
-                                  torch.tensor(seq, dtype=torch.int32, device="cuda"), out_dtype=dtype, **kw)
-    assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
+    return got, args
 
 
-@pytest.mark.parametrize("D", [80, 96, 256])  # Phi-2, GPT-NeoX variants, Gemma
-def test_kernels_at_head_dims_of_real_models(D):
+def _check_extend(prev, new, groups, D, dtype, **kw):
+    """The extend kernel (rows of ``prev`` cached tokens and ``new`` queries) against the reference."""
     from astrai_hf.attention import triton_kernels as tk
-    from astrai_hf.attention.reference import packed_paged_attention, paged_attention
+    from astrai_hf.attention.reference import packed_paged_attention
 
-    dtype, H_kv, groups = torch.bfloat16, 2, 3
-    kw = dict(scaling=D**-0.5, sliding_window=50, softcap=20.0)
-    seq = [1, PAGE + 1, 300]
-    k_cache, v_cache, meta = _inputs([s - 1 for s in seq], [1] * len(seq), H_kv, D, dtype, 7)
-    query = torch.randn(len(seq), H_kv * groups, 1, D, generator=torch.Generator().manual_seed(1)).to(dtype)
-    want = paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, **kw)[:, 0]
-    got = tk.decode_attention(query[:, :, 0].contiguous().cuda(), k_cache.cuda(), v_cache.cuda(), meta.table.cuda(),
-                              meta.req_rows.cuda(), torch.tensor(seq, dtype=torch.int32, device="cuda"), **kw)
-    torch.testing.assert_close(got.float().cpu(), want, **TOLERANCE[dtype])
-    prev, new = [PAGE - 1, 0], [2, 40]
+    H_kv = 2
     k_cache, v_cache, meta = _inputs(prev, new, H_kv, D, dtype, 3)
     packed = meta.pack()
     query = torch.randn(1, H_kv * groups, sum(new), D, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -85,6 +67,30 @@ def test_kernels_at_head_dims_of_real_models(D):
                               torch.tensor(packed.seq_lens, dtype=torch.int32, device="cuda"),
                               torch.tensor(packed.qo_indptr, dtype=torch.int32, device="cuda"), max(new), **kw)
     torch.testing.assert_close(got.float().cpu(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_kernel(case, variant, dtype):
+    from astrai_hf.attention import triton_kernels as tk
+
+    seq, groups = DECODE_CASES[case]
+    D = 64
+    kw = dict(scaling=D**-0.5, sliding_window=50 if variant == "window" else None,
+              softcap=20.0 if variant == "softcap" else None)
+    got, args = _check_decode(seq, groups, D, dtype, **kw)
+    # the output in the query's dtype, as eager decode and a replayed graph ask for it: rounded by the kernel as
+    # torch rounds the float32 output, to the bit
+    rounded = tk.decode_attention(*args, out_dtype=dtype, **kw)
+    assert rounded.dtype == dtype and torch.equal(rounded, got.to(dtype))
+
+
+@pytest.mark.parametrize("D", [80, 96, 256])  # Phi-2, GPT-NeoX variants, Gemma
+def test_kernels_at_head_dims_of_real_models(D):
+    kw = dict(scaling=D**-0.5, sliding_window=50, softcap=20.0)
+    _check_decode([1, PAGE + 1, 300], 3, D, torch.bfloat16, **kw)
+    _check_extend([PAGE - 1, 0], [2, 40], 3, D, torch.bfloat16, **kw)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
@@ -92,22 +98,10 @@ def test_kernels_at_head_dims_of_real_models(D):
 @pytest.mark.parametrize("groups", [1, 3, 7])
 @pytest.mark.parametrize("case", list(EXTEND_CASES))
 def test_extend_kernel(case, groups, variant, dtype):
-    from astrai_hf.attention import triton_kernels as tk
-    from astrai_hf.attention.reference import packed_paged_attention
-
+    D = 64
     prev, new = EXTEND_CASES[case]
-    H_kv, D = 2, 64
-    k_cache, v_cache, meta = _inputs(prev, new, H_kv, D, dtype, 3)
-    packed = meta.pack()
-    query = torch.randn(1, H_kv * groups, sum(new), D, generator=torch.Generator().manual_seed(2)).to(dtype)
-    kw = dict(scaling=D**-0.5, sliding_window=40 if variant == "window" else None,
-              softcap=20.0 if variant == "softcap" else None)
-    want = packed_paged_attention(query.float(), k_cache.float(), v_cache.float(), packed, **kw)[0]
-    got = tk.extend_attention(query[0].transpose(0, 1).contiguous().cuda(), k_cache.cuda(), v_cache.cuda(),
-                              meta.table.cuda(), meta.req_rows.cuda(),
-                              torch.tensor(packed.seq_lens, dtype=torch.int32, device="cuda"),
-                              torch.tensor(packed.qo_indptr, dtype=torch.int32, device="cuda"), max(new), **kw)
-    torch.testing.assert_close(got.float().cpu(), want, **TOLERANCE[dtype])
+    _check_extend(prev, new, groups, D, dtype, scaling=D**-0.5, sliding_window=40 if variant == "window" else None,
+                  softcap=20.0 if variant == "softcap" else None)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
