@@ -56,6 +56,8 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
         return False
     B, q = input_ids.shape
     real = sum(s - p for s, p in zip(step.seq_lens[:: step.group], step.prev_lens[:: step.group]))
+    if real == 0:  # a chunk of padding only (generate(prefill_chunk_size=...) on a left-padded prompt): nothing to pack
+        return False
     if not ((drop_padding and real < B * q) or (chunk_tokens is not None and real > chunk_tokens)):
         return False
     # an id outside the vocabulary under the mask (a pad token added to the tokenizer, the embeddings not

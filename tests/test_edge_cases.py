@@ -52,6 +52,21 @@ def test_transformers_chunked_prefill_after_a_prefix_hit(chunk):
         assert _used(model) == 0
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_transformers_chunked_prefill_of_chunks_that_are_only_padding(chunk):
+    # rows of a padded batch taken apart (ids[1:]) keep its width: the first chunks hold no real token, and the
+    # packed prefill of such a chunk had raised "range() arg 3 must not be zero"
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([9, 4, 3], seed=13)
+    ids, mask = ids[1:], mask[1:]
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, prefill_chunk_size=chunk)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, page_size=4):
+        for _ in range(2):  # (the second call from the prefix cache)
+            assert torch.equal(model.generate(ids, **kw), ref)
+            assert _used(model) == 0
+
+
 @pytest.mark.parametrize("candidates", ["prompt_lookup", "assistant_model"])
 def test_candidate_generation_after_a_prefix_hit(candidates):
     model = tiny_model("llama")
@@ -474,6 +489,24 @@ def test_masks_that_are_not_left_padded_get_clear_errors():
         with pytest.raises(ValueError, match=r"rows \[1\] have no tokens"):
             model.generate(torch.tensor([[5, 6, 7], [0, 0, 0]]), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]),
                            max_new_tokens=2)
+        assert _used(model) == 0
+
+
+@pytest.mark.parametrize("rows", [[[0, 0], [0, 0], [10, 11]], [[10, 11, 12], [0, 0, 0], [0, 13, 14]], [[0, 0, 0]]])
+def test_a_row_of_only_pad_tokens_without_a_mask_gets_the_error_a_mask_of_zeros_gets(rows):
+    # generate() masks every pad token when no mask is passed: such a row has no token, as a row of zeros in a mask
+    # passed has, which is refused. It had crashed inside generate() or taken another row's logits
+    model = tiny_model("llama")  # pad_token_id 0
+    ids = torch.tensor(rows)
+    empty = [r for r, row in enumerate(rows) if not any(row)]
+    with astrai_hf.patched(model):
+        with pytest.raises(ValueError, match=rf"input_ids rows {re.escape(str(empty))} hold only the pad token "
+                                             r"\(pad_token_id=0\)"):
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert _used(model) == 0
+        with pytest.raises(ValueError, match=rf"rows {re.escape(str(empty))} "), astrai_hf.PagedCache(
+                astrai_hf.get_pool(model)) as cache:
+            model.generate(ids, max_new_tokens=3, do_sample=False, **{astrai_hf.cache_kwarg(model): cache})
         assert _used(model) == 0
 
 
