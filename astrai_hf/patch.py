@@ -1900,6 +1900,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
                 raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
         if attention_mask is None:
             attention_mask = _implied_mask(input_ids, kwargs, config)
+            _check_rows_have_tokens(attention_mask, kwargs, config)
         elif (attention_mask.dim() == 2 and attention_mask.shape == (1, input_ids.shape[1])
               and bool(attention_mask.all())):
             attention_mask = attention_mask.expand_as(input_ids)  # one row of ones: stock broadcasts it
@@ -2056,6 +2057,23 @@ def _implied_mask(input_ids: torch.Tensor, kwargs: dict, config) -> torch.Tensor
     return (~padded).to(input_ids.dtype)
 
 
+def _check_rows_have_tokens(implied_mask: torch.Tensor, kwargs: dict, config) -> None:
+    """Refuse a prompt with a row of nothing but pad tokens and no mask passed: the mask ``generate()`` builds
+    masks every one of them (stock then attends over no key: NaN logits), as an all-zero mask row passed is refused.
+
+    Raises:
+        ValueError: naming the rows and the pad token.
+    """
+    empty = (implied_mask == 0).all(-1).nonzero().flatten().tolist()
+    if empty:
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        raise ValueError(
+            f"input_ids rows {empty} hold only the pad token (pad_token_id={pad}); with no attention_mask passed, "
+            "generate() masks every pad token, which leaves those rows no tokens. Every row needs one: drop those "
+            "rows, or pass an attention_mask"
+        )
+
+
 def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -> None:
     """generate() with a PagedCache of the caller's gets the check a call without one gets: a mask (or the one
     generate() implies from pad tokens) with zeros after ones cannot be expressed by a paged cache. The cache is
@@ -2069,7 +2087,9 @@ def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
         return
     mask = kwargs.get("attention_mask")
-    mask = _implied_mask(input_ids, kwargs, config) if mask is None else mask
+    if mask is None:
+        mask = _implied_mask(input_ids, kwargs, config)
+        _check_rows_have_tokens(mask, kwargs, config)
     broadcast = mask.dim() == 2 and mask.shape[0] == 1 and bool(mask.all())  # one row of ones: stock broadcasts it
     if mask.dim() == 2 and mask.shape[0] != input_ids.shape[0] and not broadcast:
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has {mask.shape[0]} rows for input_ids of "
