@@ -1239,10 +1239,9 @@ class PagedCache(Cache):
         drops every row, as ``DynamicCache``'s ``repeat_interleave`` empties its tensors.
 
         Raises:
-            ValueError: ``repeats`` is not an int of 0 or more.
+            ValueError: ``repeats`` is not an int of 0 or more (integer scalars of numpy or torch count).
         """
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
-            raise ValueError(f"repeats must be an int of 0 or more, got {repeats!r}")
+        repeats = as_count("repeats", repeats, 0)
         if self.stock_cache is not None:
             self.stock_cache.batch_repeat_interleave(repeats)
             return

@@ -2,6 +2,7 @@
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -238,6 +239,19 @@ def test_row_operations_share_pages(llama):
     assert cache.seq_lens == [1, 1] and cache.get_seq_length() == 4
     cache.release()
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+
+
+@pytest.mark.parametrize("repeats", [np.int64(2), torch.tensor(2)], ids=["numpy", "torch"])
+def test_batch_repeat_interleave_takes_integer_scalars_as_dynamic_cache_does(llama, repeats):
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    ids, mask = left_padded_batch([6, 3])
+    with PagedCache(pool, ids, mask) as cache:
+        llama(input_ids=ids, attention_mask=mask, **{_kw(llama): cache})
+        cache.batch_repeat_interleave(repeats)
+        assert cache.seq_lens == [6, 6, 3, 3]
+        with pytest.raises(ValueError, match=r"repeats must be a non-negative int, got -1"):
+            cache.batch_repeat_interleave(-1)
+    assert pool.stats()["num_used_pages"] == 0
 
 
 def test_crop_with_a_positive_length_does_what_dynamic_cache_does(llama):
