@@ -13,7 +13,7 @@ from transformers import Cache
 from .config import as_count, as_flag, as_int, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
-from .metadata import StepMetadata, rect_slots
+from .metadata import StepMetadata, TableWrites, rect_slots
 from .pool import PagePool
 from .storage import gather_kv
 
@@ -529,6 +529,7 @@ class PagedCache(Cache):
         input_ids: torch.Tensor | None = None,
         paged: bool = False,
         given_positions: torch.Tensor | None = None,
+        defer_writes: bool = False,
     ) -> StepMetadata:
         """Allocate slots for one forward step of ``q_len`` columns and record where each real token goes.
 
@@ -547,6 +548,10 @@ class PagedCache(Cache):
             given_positions: the ``position_ids`` the caller passed, where ``position_ids`` is left out for
                 finding padding (default: ``position_ids``); they tell a pre-filled cache's continuation from its
                 prompt fed again.
+            defer_writes: a step of one new token per row (with ``input_ids``, no page copied) keeps its
+                ``req_to_token`` and token-id entries and its indices on the host (``StepMetadata.deferred``): a
+                decode graph writes them from its workspace, anything else calls ``step.send()`` (``step.on()``
+                does). Saves a decode step replayed from a graph the launches of those writes.
 
         Raises:
             CacheFullError: the pool has too few free (or evictable) pages or request rows; the cache is released
@@ -586,7 +591,7 @@ class PagedCache(Cache):
         step, failed = None, None
         with self.pool.books():
             try:
-                step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged)
+                step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged, defer_writes)
             except BaseException as e:  # an interrupt too: pages taken for this step are in no row yet
                 failed = e
             try:
@@ -708,7 +713,7 @@ class PagedCache(Cache):
                     )
         self._first_step_planned = True
 
-    def _plan(self, B, q, position_ids, attention_mask, input_ids, paged) -> StepMetadata:
+    def _plan(self, B, q, position_ids, attention_mask, input_ids, paged, defer_writes=False) -> StepMetadata:
         if self.returned_by_generate:
             raise ValueError(
                 "this PagedCache is the one a patched generate() returned; it was released when that call ended "
@@ -838,6 +843,17 @@ class PagedCache(Cache):
             id_rows, id_cols, id_vals = new_rows, new_cols, []
         some_columns = len(src) != B * q  # padding columns: write_src picks the real ones
         one_per_row = group == 1 and q == 1 and len(new_slots) == B  # (one column: every row has its token)
+        if defer_writes and one_per_row and len(w_slots) == B and ids_from_input:
+            # one new token per row and no page copied: the decode graph writes the table entries itself, from its
+            # workspace; the indices stay on the host until the workspace takes them (StepMetadata.send)
+            self.logical_len = end
+            self._pending_known = known
+            host = torch.tensor([new_slots, rows.req_rows, seq, prev], dtype=torch.long)
+            return StepMetadata(
+                q_len=q, prev_lens=prev, seq_lens=seq, logical_len=end, paged=paged, table=table.table,
+                req_rows=None, slot_mapping=None, write_src=None, row_starts=rows.contiguous_starts(),
+                decode_indices=host[:3], deferred=TableWrites(table, host, input_ids),
+            )
         # (the last three side by side: a step of one new token per row hands them on as one [3, B] block)
         parts = [w_rows, w_cols, w_slots, src if some_columns else [], id_rows, id_cols, id_vals, new_slots,
                  rows.req_rows if group == 1 else [], seq if one_per_row else []]

@@ -58,16 +58,24 @@ class DecodeWorkspace:
         req_rows: [max_batch] int64, the ``req_to_token`` row of each batch row (padded rows: ``pad_row``).
         seq_lens: [max_batch] int64, tokens per row including this step's (padded rows: 1).
         indices: [3, max_batch] int64, whose rows are ``slot_mapping``, ``req_rows`` and ``seq_lens`` (filled by
-            one copy from a step's ``decode_indices``).
+            one copy from a step's ``decode_indices``, from the host where the step deferred its table writes: a
+            captured step writes each row's ``req_to_token`` entry and token id itself).
     """
 
     def __init__(self, max_batch: int, pad_row: int, device: torch.device):
         self.max_batch, self.pad_row, self.device = max_batch, pad_row, device
         self.input_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-        self.indices = torch.tensor([0, pad_row, 1], dtype=torch.long, device=device)[:, None].repeat(1, max_batch)
+        self._pad_column = torch.tensor([0, pad_row, 1], dtype=torch.long)[:, None]
+        padded = self._pad_column.repeat(1, max_batch)
+        self.indices = padded.to(device)
         self.slot_mapping, self.req_rows, self.seq_lens = self.indices
         self.filled = 0  # rows 0 .. filled - 1 may hold a real row's inputs; the rest point at the trash
+        # on an accelerator, the indices block as the host last sent it whole (a step that deferred its table
+        # writes), the rows past that batch padded: the copy covers the contiguous block, one transfer, where a
+        # [3, B] slice of it is strided (a transfer and a copy kernel)
+        self._host_indices = padded if device.type != "cpu" else None
+        self._host_filled = 0
 
     def fill(self, step: StepMetadata, input_ids: torch.Tensor, position_ids: torch.Tensor | None, bucket: int) -> None:
         """Copy one step's inputs in (non-blocking) and point rows ``B ..`` at the trash (only those an earlier,
@@ -77,8 +85,16 @@ class DecodeWorkspace:
         if position_ids is None:
             position_ids = torch.tensor(step.prev_lens, dtype=torch.long).view(B, 1)
         self.position_ids[:B].copy_(position_ids.expand(B, 1), non_blocking=True)
-        if step.decode_indices is not None:
-            self.indices[:, :B].copy_(step.decode_indices, non_blocking=True)
+        sent = step.decode_indices
+        if sent is not None and self._host_indices is not None and sent.device.type == "cpu":
+            block = self._host_indices
+            block[:, :B] = sent
+            if self._host_filled > B:
+                block[:, B : self._host_filled] = self._pad_column
+            self._host_filled = B
+            self.indices.copy_(block, non_blocking=True)  # (pageable: staged before the call returns)
+        elif sent is not None:
+            self.indices[:, :B].copy_(sent, non_blocking=True)
         else:
             self.req_rows[:B].copy_(step.req_rows, non_blocking=True)
             self.seq_lens[:B].copy_(torch.tensor(step.seq_lens), non_blocking=True)
@@ -292,6 +308,7 @@ class DecodeGraphRunner:
             out = static_out
         else:  # stand-in: run the forward again over the same static buffers
             out = self._forward(bucket, cache, kwargs, state, gstep)
+        step.deferred = None  # (written by the graph)
         self.replays += 1
         if cache._pending_known is not None:  # every layer stored this step (a replay runs no Python)
             cache._rows.known, cache._pending_known = cache._pending_known, None
@@ -329,6 +346,13 @@ class DecodeGraphRunner:
 
     def _forward(self, bucket: int, cache, kwargs: dict, state, gstep: GraphStep):
         ws = self.workspace
+        # each row's new slot and token id into its req_to_token row, at column seq_lens - 1 (padded rows write the
+        # trash row's column 0: slot 0, token 0, as it holds); a step planned with its writes deferred has made
+        # none, the others made the same
+        table, rows = self.pool.req_to_token, ws.req_rows[:bucket]
+        cols = ws.seq_lens[:bucket] - 1
+        table.write(rows, cols, ws.slot_mapping[:bucket])
+        table.write_ids(rows, cols, ws.input_ids[:bucket, 0])
         state.step, cache._step, cache._step_layers = gstep, gstep, set()
         args = {k: v for k, v in kwargs.items() if k not in ("input_ids", "position_ids", "attention_mask")}
         return self.forward(input_ids=ws.input_ids[:bucket], position_ids=ws.position_ids[:bucket],

@@ -13,6 +13,22 @@ BUCKET_CALL_COST = 256
 
 
 @dataclass(eq=False)
+class TableWrites:
+    """A decode step's ``req_to_token`` and token-id entries, planned on the host and not written yet.
+
+    Attributes:
+        req_to_token: the pool's ``ReqToTokenPool``.
+        host: [4, B] int64 on the host, whose rows are each batch row's new slot (``slot_mapping``), table row
+            (``req_rows``), tokens after the step (``seq_lens``) and column of the new token (``prev_lens``).
+        input_ids: [B, 1], the step's token ids (on the model's device).
+    """
+
+    req_to_token: object
+    host: torch.Tensor
+    input_ids: torch.Tensor
+
+
+@dataclass(eq=False)
 class StepMetadata:
     """The plan of one forward step over a batch of rows, built on the host before any layer runs.
 
@@ -43,7 +59,11 @@ class StepMetadata:
             of the pool instead of gathering them through the table.
         decode_indices: None, or for a step of one new token per row ``slot_mapping``, ``req_rows`` and
             ``seq_lens`` as the rows of one [3, B] int64 tensor on the table's device, sent with the step's other
-            indices (decode attention reads the lengths there; the graph workspace takes all three in one copy).
+            indices (decode attention reads the lengths there; the graph workspace takes all three in one copy);
+            on the host while the step is ``deferred``.
+        deferred: None, or the :class:`TableWrites` of a decode step planned for a graph replay, which writes them
+            from its workspace; ``req_rows`` and ``slot_mapping`` are None until :meth:`send` (which :meth:`on`
+            calls) writes them another way. A step replayed from a graph keeps them None.
     """
 
     q_len: int
@@ -59,7 +79,22 @@ class StepMetadata:
     qo_lens: list[int] | None = None
     row_starts: list[int | None] | None = None
     decode_indices: torch.Tensor | None = None
+    deferred: TableWrites | None = None
     _views: dict = field(default_factory=dict, repr=False)
+
+    def send(self) -> None:
+        """Write a deferred step's table entries and token ids, and send its indices to the table's device (one
+        host-to-device copy); a no-op for a step that deferred nothing."""
+        writes = self.deferred
+        if writes is None:
+            return
+        table = writes.req_to_token
+        sent = writes.host.to(table.device, non_blocking=True)
+        slots, rows, _, cols = sent
+        table.write(rows, cols, slots)
+        table.write_ids(rows, cols, writes.input_ids.reshape(-1).to(table.device))
+        self.slot_mapping, self.req_rows, self.decode_indices = slots, rows, sent[:3]
+        self.deferred = None
 
     @property
     def is_packed(self) -> bool:
@@ -218,6 +253,8 @@ class StepMetadata:
 
     def on(self, device: torch.device) -> "DeviceView":
         """The step's index tensors on ``device`` (built once per device and step)."""
+        if self.deferred is not None:
+            self.send()
         view = self._views.get(device)
         if view is None:
             view = self._views[device] = DeviceView(self, device)

@@ -967,6 +967,7 @@ def _wrap_forward(owner, forward, state: PatchState):
             input_ids=input_ids,
             paged=True,
             given_positions=positions,
+            defer_writes=state.cuda_graphs and not args,  # (the runner writes them; step.send() otherwise)
         )
         if not cache.made_by_generate and kwargs.get("position_ids") is not None:
             cache._note_positions(kwargs["position_ids"], step, B, q)  # (older releases pass layers no positions)
@@ -993,6 +994,7 @@ def _wrap_forward(owner, forward, state: PatchState):
                         # same again into the same slots, with the step planned as it was
                         cache._step, cache._step_layers = step, set()
                         cache._pending_known, cache._pending_q = planned
+            step.send()  # the table writes a decode step planned for the runner left to it
             with paged_attention_on(state, step, cache.pool):
                 chunk_tokens = None if state.rope_by_length or as_fed else state.prefill_chunk_tokens
                 if state.packable and not args and not as_fed and packing.wants_packing(

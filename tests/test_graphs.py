@@ -1,9 +1,12 @@
 """DecodeGraphRunner on the CPU stand-in (replay = the captured forward run again over the same static buffers):
 decode through the runner equals eager decode token for token."""
 
+import collections
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import astrai_hf
@@ -434,3 +437,85 @@ def test_a_steps_indices_come_as_one_block_only_with_one_new_token_per_row():
         assert step.seq_lens == [2, 3, 1]
         assert torch.equal(step.decode_indices, torch.stack([step.slot_mapping, step.req_rows, torch.tensor([2, 3, 1])]))
         assert torch.equal(step.on(torch.device("cpu")).seq_lens_t, torch.tensor([2, 3, 1]))
+
+
+_DEFERRED = collections.Counter()  # steps that deferred their writes, and steps that could not (tests/run counts)
+
+
+def _positions(mask):
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4), steps=st.integers(1, 6),
+       page_size=st.sampled_from([1, 2, 4]), shared=st.booleans(), samples=st.sampled_from([1, 3]),
+       seed=st.integers(0, 2**16))
+def test_deferred_table_writes_equal_the_writes_a_plan_makes(lengths, steps, page_size, shared, samples, seed):
+    """A decode step planned for the runner leaves its req_to_token entries and token ids to the graph, or to
+    ``step.send()``; sent, they equal what the plan writes itself, on random batches. Rows that decode from one
+    prompt each (``samples`` of them, as ``num_return_sequences`` does) share its last page: their first decode step
+    copies it and writes at plan time, deferring nothing. A prompt served from the prefix cache (``shared``)."""
+    model = tiny_model("llama")
+    pools = [PagePool.from_model(model, max_tokens=512, page_size=page_size, prefix_cache=shared) for _ in range(2)]
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = left_padded_batch(lengths, seed=seed)
+    if shared:  # every row's prompt cached by an earlier call
+        for pool in pools:
+            with astrai_hf.PagedCache(pool) as cache:
+                cache.plan_step(len(lengths), ids.shape[1], attention_mask=mask, input_ids=ids, paged=True)
+                cache._rows.known = cache._pending_known
+    caches = [astrai_hf.PagedCache(pool, ids, mask) if shared else astrai_hf.PagedCache(pool) for pool in pools]
+    try:
+        for cache in caches:
+            width = ids.shape[1] - cache.get_seq_length()
+            cache.plan_step(len(lengths), width, attention_mask=mask, input_ids=ids[:, -width:], paged=True,
+                            position_ids=_positions(mask)[:, -width:])
+        B = len(lengths) * samples
+        mask = mask.repeat_interleave(samples, 0)
+        for t in range(steps):
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
+            new = torch.randint(3, 90, (B, 1), generator=g)
+            kw = dict(attention_mask=mask, input_ids=new, paged=True, position_ids=_positions(mask)[:, -1:])
+            planned = caches[0].plan_step(B, 1, **kw)
+            before = pools[1].req_to_token.table.clone(), pools[1].req_to_token.token_ids.clone()
+            deferred = caches[1].plan_step(B, 1, defer_writes=True, **kw)
+            copies = t == 0 and samples > 1 and page_size > 1 and any(n % page_size for n in lengths)
+            assert (deferred.deferred is None) == copies
+            _DEFERRED[deferred.deferred is not None] += 1
+            if deferred.deferred is not None:
+                assert deferred.req_rows is None and deferred.decode_indices.device.type == "cpu"
+            if deferred.deferred is not None and (t or samples == 1):  # (rows expanded for samples: copied rows)
+                assert torch.equal(pools[1].req_to_token.table, before[0])
+                assert torch.equal(pools[1].req_to_token.token_ids, before[1])
+            deferred.send()
+            assert deferred.deferred is None
+            for name in ("table", "token_ids"):
+                assert torch.equal(getattr(pools[1].req_to_token, name), getattr(pools[0].req_to_token, name)), t
+            assert torch.equal(deferred.slot_mapping, planned.slot_mapping)
+            assert torch.equal(deferred.req_rows, planned.req_rows)
+            assert torch.equal(deferred.decode_indices, planned.decode_indices)
+            assert (deferred.prev_lens, deferred.seq_lens, deferred.row_starts) == (
+                planned.prev_lens, planned.seq_lens, planned.row_starts)
+    finally:
+        for cache in caches:
+            cache.release()
+    for pool in pools:
+        assert pool.stats()["num_used_pages"] == 0
+
+
+def test_the_workspace_takes_indices_sent_from_the_host_as_one_padded_block():
+    """On an accelerator a step that deferred its table writes sends its [3, B] indices from the host: the workspace
+    copies its whole [3, max_batch] block in one transfer, rows past the batch padded (slot 0, the trash row,
+    length 1), also after a larger batch. (The host block stands in here for the CPU copy a CUDA workspace keeps.)"""
+    from astrai_hf.graphs import DecodeWorkspace
+
+    ws = DecodeWorkspace(8, pad_row=9, device=torch.device("cpu"))
+    ws._host_indices = ws.indices.clone()
+    pad = torch.tensor([0, 9, 1])[:, None]
+    for B in (8, 3, 5, 1, 8):
+        sent = torch.stack([torch.arange(B) + 100, torch.arange(B), torch.arange(B) + 2])
+        step = types.SimpleNamespace(decode_indices=sent, prev_lens=list(range(B)))
+        ws.fill(step, torch.arange(B)[:, None] + 10, None, 8)
+        assert torch.equal(ws.indices[:, :B], sent)
+        assert torch.equal(ws.indices[:, B:], pad.expand(3, 8 - B)), B
+        assert torch.equal(ws.input_ids[B:], torch.zeros(8 - B, 1, dtype=torch.long))
