@@ -519,3 +519,17 @@ def test_the_workspace_takes_indices_sent_from_the_host_as_one_padded_block():
         assert torch.equal(ws.indices[:, :B], sent)
         assert torch.equal(ws.indices[:, B:], pad.expand(3, 8 - B)), B
         assert torch.equal(ws.input_ids[B:], torch.zeros(8 - B, 1, dtype=torch.long))
+
+
+def test_a_replayed_decode_step_sends_three_copies_to_the_device_outside_its_graph():
+    """Around a replay astrai-hf's per-step device work is the input ids, the positions and one block of indices
+    (the table writes happen inside the graph); counted by the host-work benchmark, whose replay is free."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "host_step.py"
+    spec = importlib.util.spec_from_file_location("host_step", path)
+    host_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_step)
+    for batch, r in host_step.measure(batches=(1, 3), new_tokens=8, runs=1).items():
+        assert r["astrai_device_ops"] == 3 and r["astrai_ops_by_name"].get("copy_") == 3, (batch, r)
