@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from .attention.reference import _attend
+from .cache import autocast_on
 from .metadata import StepMetadata
 from .packing import last_logits_only
 from .pool import ModelLayout
@@ -279,6 +280,16 @@ class DecodeGraphRunner:
         if step.group != 1 or self.bucket_for(input_ids.shape[0]) is None:
             return False
         if any(kwargs.get(k) for k in ("output_hidden_states", "output_attentions")) or not last_logits_only(kwargs):
+            return False
+        model = self.model
+        return_dict = kwargs.get("return_dict")
+        if return_dict is None and model is not None:
+            return_dict = getattr(model.config, "return_dict", True)
+        if return_dict is False:  # a tuple asked for: a graph hands back the output it was captured with
+            return False
+        if autocast_on(self.pool):
+            # a graph keeps the dtypes of its capture: autocast's state is not part of a bucket's key, so steps
+            # under it run eagerly (and a graph captured without it is never replayed under it)
             return False
         if kwargs.get("position_ids") is None and any(p != step.logical_len - 1 for p in step.prev_lens):
             # padding, and positions of the model's own counting (the cache's length for most families, the

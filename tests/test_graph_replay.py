@@ -284,3 +284,49 @@ def test_once_the_host_read_is_gone_the_next_call_captures(captured):
         assert torch.equal(model.generate(ids, **kw), want)
         runner = _runner(model)
         assert runner.uncapturable is None and runner.captured == [4] and runner.replays == 5
+
+
+@pytest.mark.parametrize("first", ["a tuple asked for", "generate()"])
+def test_a_decode_step_that_asks_for_a_tuple_gets_one_and_leaves_no_broken_graph(captured, first):
+    # a graph hands back the output it was captured with: a tuple step captured the bucket (and every later call of
+    # that batch size failed on out["logits"]), or got the ModelOutput a generate() captured
+    from transformers import DynamicCache
+
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([7], seed=5)
+    gk = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    want = stock.generate(ids, **gk)
+
+    def tuple_step(m, cache):
+        kw = {astrai_hf.cache_kwarg(m): cache, "use_cache": True}
+        out = m(input_ids=torch.tensor([[5, 6, 7, 8]]), **kw)
+        return m(input_ids=out.logits[:, -1:].argmax(-1), position_ids=torch.tensor([[4]]), logits_to_keep=1,
+                 return_dict=False, **kw)
+
+    with torch.no_grad():
+        ref = tuple_step(stock, DynamicCache())
+    with _patched(model):
+        if first == "generate()":
+            assert torch.equal(model.generate(ids, **gk), want)
+        with torch.no_grad(), astrai_hf.PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            got = tuple_step(model, cache)
+        assert isinstance(got, tuple) and torch.equal(got[0], ref[0])
+        assert torch.equal(model.generate(ids, **gk), want)
+
+
+def test_a_graph_captured_under_autocast_is_not_replayed_without_it_nor_the_other_way(captured):
+    # autocast's state is not part of a bucket's key: a graph captured under bf16 autocast computed a later float32
+    # call's decode steps in bf16; steps under autocast run eagerly now
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    batches = [left_padded_batch([3 + (5 * i + s) % 13 for i in range(6)], seed=s) for s in (1, 2)]
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with _patched(model):
+        for (ids, mask), autocast in zip(batches * 2, (True, False, False, True)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                want = stock.generate(ids, attention_mask=mask, **kw)
+                got = model.generate(ids, attention_mask=mask, **kw)
+            assert torch.equal(got.sequences, want.sequences)
+            if not autocast:  # (under autocast eager bf16 rounds differently from stock: the README's caveat)
+                for a, b in zip(got.logits, want.logits):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert _runner(model).captured == [8] and len(captured) == 1
