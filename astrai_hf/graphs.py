@@ -206,7 +206,9 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model, forward, pool, *, max_batch: int | None = None, use_cuda_graphs: bool | None = None):
-        self._model, self.forward, self.pool = weakref.ref(model), forward, pool  # (the model holds the runner)
+        # (the model holds the runner; the pool is held by its caches and its owner, and freed when they let go:
+        # the patch state drops the runner then)
+        self._model, self.forward, self._pool = weakref.ref(model), forward, weakref.ref(pool)
         self.device = device = pool.config.layer_devices[0]
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and device.type != "cuda":
@@ -237,6 +239,11 @@ class DecodeGraphRunner:
     def model(self):
         """The patched model (None once it is gone)."""
         return self._model()
+
+    @property
+    def pool(self):
+        """The pool the graphs read (None once it is gone)."""
+        return self._pool()
 
     def close(self) -> None:
         """Drop the graphs and the workspace."""
@@ -413,6 +420,9 @@ class DecodeGraphRunner:
                 try:
                     with torch.cuda.graph(graph, pool=self._mempool):
                         static_out = self._forward(bucket, cache, kwargs, state, gstep)
+                    for name in ("cache", "past_key_values"):  # (each replay hands back the step's own cache; the
+                        if static_out.get(name) is not None:  # capture's would keep its pool alive)
+                            static_out[name] = None
                 except RuntimeError as e:  # (torch's AcceleratorError is one too)
                     self._refused(bucket, e, before)
         finally:

@@ -851,6 +851,10 @@ def _wants_graphs(model, cuda_graphs: bool | None) -> bool:
 
 def _runner(model, state: PatchState, pool: PagePool):
     runner = state.runners.get(id(pool))
+    if runner is not None and runner.pool is not pool:  # (a pool freed, another made at its address)
+        state.runners.pop(id(pool)).close()
+        runner = None
+    warn_refusal = True
     if runner is not None and not runner.still_fits(model):
         # a graph holds the tensors and hooks of its capture; the pool's check_weights(), which a cache runs
         # before its first step, saw the model change since
@@ -858,14 +862,23 @@ def _runner(model, state: PatchState, pool: PagePool):
                     "adapter): capturing them again", type(model).__name__)
         old = state.runners.pop(id(pool))
         old.close()
-        runner = DecodeGraphRunner(model, state.forward, pool)
         # (a model whose forward changes a buffer it reads, as longrope did before transformers 5.2x, changes at
         # every call; its refusals were warned of once)
-        runner.warn_refusal = old.warn_refusal and old.uncapturable is None
-        state.runners[id(pool)] = runner
+        warn_refusal = old.warn_refusal and old.uncapturable is None
+        runner = None
     if runner is None:
         runner = state.runners[id(pool)] = DecodeGraphRunner(model, state.forward, pool)
+        runner.warn_refusal = warn_refusal
+        # the runner holds its pool weakly: when a pool of the caller's is freed, its runner (workspace, graphs) goes
+        weakref.finalize(pool, _forget_runner, weakref.ref(state), id(pool), weakref.ref(runner))
     return runner
+
+
+def _forget_runner(state_ref, pool_id: int, runner_ref) -> None:
+    state, runner = state_ref(), runner_ref()
+    if state is not None and runner is not None and state.runners.get(pool_id) is runner:
+        state.runners.pop(pool_id, None)
+        runner.close()
 
 
 def _packable(model) -> bool:
@@ -1656,7 +1669,7 @@ def _sync_windows(state: PatchState, modules=None) -> None:
 
 
 def _close_runners(state: PatchState) -> None:
-    for runner in state.runners.values():
+    for runner in list(state.runners.values()):  # (a pool freed meanwhile drops its runner from the dict)
         runner.close()
     state.runners.clear()
 

@@ -330,3 +330,28 @@ def test_a_graph_captured_under_autocast_is_not_replayed_without_it_nor_the_othe
                 for a, b in zip(got.logits, want.logits):
                     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         assert _runner(model).captured == [8] and len(captured) == 1
+
+
+def test_a_pool_of_ones_own_is_freed_with_its_runner_once_nothing_uses_it(captured):
+    # the model's patch state kept a runner per pool it had run on, holding the pool (its K/V storage), its
+    # workspace and its graphs for as long as the model stayed patched
+    import gc
+    import weakref
+
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    want = stock.generate(ids, **kw)
+    with _patched(model):
+        refs = []
+        for _ in range(3):
+            pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+            with astrai_hf.PagedCache(pool, prefix_cache=False) as cache:
+                assert torch.equal(model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache}), want)
+            refs.append(weakref.ref(pool))
+            del pool, cache
+        gc.collect()
+        assert [r() for r in refs] == [None] * 3 and len(captured) == 3
+        assert list(model._astrai_patch_state.runners) == []
+        assert torch.equal(model.generate(ids, **kw), want)  # the model's own pool keeps its runner
+        assert len(model._astrai_patch_state.runners) == 1
