@@ -6,6 +6,7 @@ import copy
 import logging
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from transformers import Cache
@@ -28,6 +29,29 @@ def _positive_crop_refused() -> bool:
 _POSITIVE_CROP_REFUSED = _positive_crop_refused()  # DynamicCache.crop(n > 0) raises from transformers 5.18 on
 
 logger = logging.getLogger(__name__)
+
+
+class HeldTokens(NamedTuple):
+    """The columns a stock cache holds after a ``generate()`` call, as the released cache a patched call returned
+    records them, so that a later call given it continues them (see ``patch.py``).
+
+    ``ids``: [B, L] int64, the tokens the columns were computed from; ``mask``: [B, L], their attention mask;
+    ``embeds``: [B, E, hidden] or None, the embeddings the first ``E <= L`` columns were computed from (a call fed
+    ``inputs_embeds``: no token id stands for them, and ``ids`` holds placeholders there), a copy detached from
+    the caller's tensor."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    embeds: torch.Tensor | None = None
+
+    def rows(self, idx: list[int]) -> HeldTokens:
+        """The rows ``idx`` (``batch_select_indices``, ``reorder_cache``, ``batch_repeat_interleave``)."""
+        rows = torch.tensor(idx, dtype=torch.long)
+        return HeldTokens(*(None if t is None else t[rows.to(t.device)] for t in self))
+
+    def columns(self, keep: int) -> HeldTokens:
+        """The first ``keep`` columns (``crop``)."""
+        return HeldTokens(*(None if t is None else t[:, :keep] for t in self))
 
 
 class _Rows:
@@ -218,8 +242,8 @@ class PagedCache(Cache):
     made_by_generate = False  # set on the cache a patched generate() makes for itself (and releases)
     returned_by_generate = False  # set when that generate() has returned: the cache is released for good
     _prompt_width = None  # columns of the prompt the cache was built with (input_ids.shape[1])
-    # (sequences [B, L], mask [B, L]): the tokens a stock cache would hold after that generate(), see patch.py
-    held_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # what a stock cache would hold after that generate() (see patch.py)
+    held_tokens: HeldTokens | None = None
     # the DynamicCache a call given this returned cache continued on (a mask with a hole): later calls given this
     # cache continue it (patch.py), and the methods below act on it, as on stock's cache
     stock_cache = None
@@ -1309,14 +1333,13 @@ class PagedCache(Cache):
         if self.returned_by_generate:
             # the released cache a patched generate() returned: the rows of the tokens it recorded move, so that a
             # later call passed it continues the rows stock's cache would hold (one that recorded no tokens, after
-            # beams or inputs_embeds, only counts its rows)
+            # beams, only counts its rows)
             n = self._num_rows()
             bad = [i for i in idx if not -n <= i < n]
             if bad:
                 raise ValueError(f"row indices {bad} are out of range for a cache of {n} rows")
             if self.held_tokens is not None:
-                rows = torch.tensor(idx, dtype=torch.long)
-                self.held_tokens = tuple(t[rows.to(t.device)] for t in self.held_tokens)
+                self.held_tokens = self.held_tokens.rows(idx)
             self.returned_rows = len(idx)
             return
         stopped = self._unfinished_step()
@@ -1397,7 +1420,7 @@ class PagedCache(Cache):
                 self.stock_cache.crop(max_length)
             if self.held_tokens is not None:
                 keep = _columns_kept(self.held_tokens[0].shape[1], max_length)
-                self.held_tokens = tuple(t[:, :keep] for t in self.held_tokens)
+                self.held_tokens = self.held_tokens.columns(keep)
             self.returned_len = _columns_kept(self.returned_len, max_length)
             return
         keep = self.logical_len + max_length if max_length <= 0 else min(max_length, self.logical_len)

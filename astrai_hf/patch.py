@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention, packing
-from .cache import PATCH_STATE_ATTR, PagedCache, autocast_on, cache_kwarg, forget_rope_deltas, left_padding
+from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, forget_rope_deltas,
+                    left_padding)
 from .config import KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
@@ -1257,11 +1258,19 @@ def _wrap_generate(owner, generate, state: PatchState):
                 # only for the new columns (an assistant model's next round, a chat's next turn): neither a paged
                 # cache (a hole) nor a run from scratch gives that, a stock cache of the earlier tokens does
                 width = None
-                if held is None:  # (beams, inputs_embeds: computed as with a fresh cache, as without a hole)
+                if held is None:  # (beams: computed as with a fresh cache, as without a hole)
                     _refuse_hole_before_held_columns(holes, returned.returned_len)
                     width = _columns_after_held(None, args, kwargs, config, returned.returned_len)
                 out = _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
                 return out if width is None else _first_step_outputs_cut(out, width)
+            if held is not None and (held.embeds is not None or _fed_embeds(kwargs)) and not _candidate_decoding(
+                    kwargs, config):
+                # columns computed from embeddings (no token id stands for them), or embeddings fed for columns the
+                # cache holds: stock keeps that cache's K/V for its columns and computes only the later ones
+                if _extends_held_columns(held, args, kwargs, config):
+                    return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
+                if held.embeds is not None:  # (another batch or mask, beams, no cache: what stock does, on its cache)
+                    return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
             width = _columns_after_held(held, args, kwargs, config, returned.returned_len)
@@ -1363,42 +1372,59 @@ def _wrap_generate(owner, generate, state: PatchState):
     return paged_generate
 
 
-def _continue_held_tokens(model, state: PatchState, held, args: tuple, kwargs: dict, config,
+def _continue_held_tokens(model, state: PatchState, held: HeldTokens, args: tuple, kwargs: dict, config,
                           returned: PagedCache | None = None):
-    """generate() on the cache an earlier call returned, with a prompt whose first columns hold other tokens than
-    that call's sequences (a chat template that tokenizes an answer otherwise): stock's cache still holds the
-    earlier K/V and computes only the columns after them, so this call does too. A cache of its own is filled with
-    the earlier call's tokens (from the prefix cache, the rest computed), then handed to the patched generate() as
-    a caller's cache; its pages go to the prefix cache when the call ends. (Module level, calling
+    """generate() on the cache an earlier call returned, where stock's cache holds K/V that the new prompt does not
+    give again: a prompt whose first columns hold other tokens than that call's sequences (a chat template that
+    tokenizes an answer otherwise), columns computed from ``inputs_embeds``, or a call fed ``inputs_embeds`` for
+    those columns. Stock's cache still holds the earlier K/V and computes only the columns after them, so this call
+    does too. A cache of its own is filled with the earlier call's columns (tokens from the prefix cache, the rest
+    computed; from embeddings, all computed and kept out of the prefix cache), then handed to the patched
+    generate() as a caller's cache; its pages go to the prefix cache when the call ends. (Module level, calling
     ``model.generate``: a closure calling the wrapper's own would make a reference cycle.)"""
-    held_ids, held_mask = held
-    cache = PagedCache(state.pool, held_ids, held_mask, model=model)
+    # (columns of embeddings, which no token id stands for: neither served nor offered by the prefix cache)
+    cache = PagedCache(state.pool, held.ids, held.mask, prefix_cache=held.embeds is None, model=model)
     try:
         start = cache.get_seq_length()
-        positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
-        model(input_ids=held_ids[:, start:], attention_mask=held_mask, position_ids=positions[:, start:],
+        positions = (held.mask.long().cumsum(-1) - 1).clamp(min=0)
+        model(**_held_inputs(model, held, start), attention_mask=held.mask, position_ids=positions[:, start:],
               use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
         out = model.generate(*args, **{**kwargs, state.cache_kwarg: cache})
-        _note_held_tokens(cache, out, args, kwargs, config, computed_from=held_ids)
+        _note_held_tokens(cache, out, args, kwargs, config, computed_from=held, model=model)
         return _continued_in(returned, cache, out, state.cache_kwarg)
     finally:
         _release_as_returned(cache)
 
 
-def _continue_held_tokens_stock(model, state: PatchState, held, generate, args: tuple, kwargs: dict, config,
-                                returned: PagedCache | None = None):
-    """Stock ``generate()`` on a ``DynamicCache`` holding the K/V of the tokens the cache an earlier patched call
-    returned held (``held``: its tokens and mask; None where it recorded none: an empty cache), computed with that
-    call's mask: what stock's own returned cache holds, for a call whose prompt has a hole in its mask (see
-    :func:`_mask_with_holes`)."""
+def _held_inputs(model, held: HeldTokens, start: int = 0, embeds: bool = False) -> dict:
+    """The forward inputs that compute ``held``'s columns from ``start`` on: ``input_ids`` [B, L - start], or
+    ``inputs_embeds`` [B, L - start, hidden] where it holds embeddings or ``embeds`` asks for them (those of its
+    token ids looked up in the model's input embeddings, as ``generate()`` feeds them)."""
+    if held.embeds is None and not embeds:
+        return {"input_ids": held.ids[:, start:]}
+    E = 0 if held.embeds is None else held.embeds.shape[1]
+    table = model.get_input_embeddings()
+    with torch.no_grad():
+        rest = table(held.ids[:, E:].to(table.weight.device))
+    if held.embeds is not None:
+        rest = torch.cat([held.embeds.to(rest.device, rest.dtype), rest], dim=1)
+    return {"inputs_embeds": rest[:, start:]}
+
+
+def _continue_held_tokens_stock(model, state: PatchState, held: HeldTokens | None, generate, args: tuple,
+                                kwargs: dict, config, returned: PagedCache | None = None):
+    """Stock ``generate()`` on a ``DynamicCache`` holding the K/V of the columns the cache an earlier patched call
+    returned held (``held``: their tokens, mask and embeddings; None where it recorded none: an empty cache),
+    computed with that call's mask: what stock's own returned cache holds, for a call whose prompt has a hole in
+    its mask (see :func:`_mask_with_holes`), or one given columns computed from embeddings that it does not simply
+    extend (another batch or mask, beams)."""
     from transformers import DynamicCache
 
-    held_ids, held_mask = held if held is not None else (None, None)
     cache = DynamicCache(config=model.config)
-    if held is not None and held_ids.shape[1]:  # (cropped to nothing: stock's cache is empty, all are computed)
-        positions = (held_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if held is not None and held.ids.shape[1]:  # (cropped to nothing: stock's cache is empty, all are computed)
+        positions = (held.mask.long().cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():  # (as generate() computes the K/V it keeps)
-            model(input_ids=held_ids, attention_mask=held_mask, position_ids=positions, use_cache=True,
+            model(**_held_inputs(model, held), attention_mask=held.mask, position_ids=positions, use_cache=True,
                   logits_to_keep=1, **{state.cache_kwarg: cache})
     if _get(kwargs, config, "is_assistant") and hasattr(cache, "activate_past_recording"):
         # an assistant model's drafts are cropped after each round, which a sliding-window layer can only undo
@@ -1450,7 +1476,7 @@ def _continued_in(returned: PagedCache | None, ran_on: PagedCache | None, out, c
 
 def _refuse_hole_before_held_columns(mask: torch.Tensor, length: int) -> None:
     """For a call whose ``mask`` [B, T] has a hole, given the cache an earlier patched call returned that recorded
-    no tokens (beams, inputs_embeds), which therefore runs on a fresh cache: refuse a mask that masks one of the
+    no tokens (beams), which therefore runs on a fresh cache: refuse a mask that masks one of the
     first ``length`` columns (those stock's cache holds) before one of them it leaves unmasked. Stock's K/V of the
     later column attended the masked one; a fresh cache's do not. A hole after them (a row that finished early,
     padded to the end) changes none of their K/V.
@@ -1465,7 +1491,7 @@ def _refuse_hole_before_held_columns(mask: torch.Tensor, length: int) -> None:
         raise ValueError(
             f"attention_mask rows {rows} mask a column among the {length} the cache passed in holds, before one they "
             "leave unmasked: stock's cache holds K/V computed attending it, which the cache a patched generate() "
-            "returned after beam search or inputs_embeds (it records no tokens) cannot give; pass the cache of a "
+            "returned after beam search (it records no tokens) cannot give; pass the cache of a "
             "call of input_ids, or call without a cache"
         )
 
@@ -1474,8 +1500,8 @@ def _columns_after_held(held, args: tuple, kwargs: dict, config, length: int = 0
     """For a call given the cache an earlier patched call returned and asking for hidden states or attentions of
     every position: the number of prompt columns after the ``L`` that cache held (stock's cache holds their K/V, so
     its first forward, and the per-position outputs of it, cover only the columns after them), else None. ``L`` is
-    the columns of ``held`` (its tokens and mask), or ``length`` where it recorded none (beams, inputs_embeds)."""
-    L = held[0].shape[1] if held is not None else length
+    the columns of ``held`` (its tokens and mask), or ``length`` where it recorded none (beams)."""
+    L = held.ids.shape[1] if held is not None else length
     if L == 0 or not (_get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
         return None
     embeds = kwargs.get("inputs_embeds")
@@ -1522,46 +1548,92 @@ def _prompt_and_mask(args: tuple, kwargs: dict, config):
 
 
 def _note_held_tokens(cache: PagedCache, out, args: tuple, kwargs: dict, config,
-                      computed_from: torch.Tensor | None = None) -> None:
-    """Record on the cache a patched generate() made the tokens and mask a stock cache would hold after the call,
-    ``(sequences[:, :L], mask [B, L])`` with ``L = cache.logical_len``, for :func:`_continues_other_tokens`;
-    ``computed_from`` [B, L0]: the tokens its first ``L0`` columns were computed from, when not the prompt's.
-    Left unset for calls whose cache rows are not the returned sequences (beams); several samples per prompt are
-    rows of their own, as in stock's cache. After candidate decoding the cache holds the accepted tokens but the
-    last, as stock's does."""
+                      computed_from: HeldTokens | None = None, model=None) -> None:
+    """Record on the cache a patched generate() made what a stock cache would hold after the call, a
+    :class:`~astrai_hf.cache.HeldTokens` of ``L = cache.logical_len`` columns (the prompt, then ``sequences``' new
+    tokens), for the calls given it later (:func:`_continue_held_tokens`). ``computed_from``: the columns its first
+    ``L0`` columns were computed from, when not the prompt's (a call continuing an earlier one's; ``model`` looks up
+    the embeddings of its tokens where this call fed embeddings). A call fed ``inputs_embeds`` records a copy of
+    them (its ``sequences`` hold the new tokens alone unless ``input_ids`` came with them). Left unset for calls
+    whose cache rows are not the returned sequences (beams); several samples per prompt are rows of their own, as
+    in stock's cache. After candidate decoding the cache holds the accepted tokens but the last, as stock's does."""
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-    prompt = _prompt_and_mask(args, kwargs, config)
-    if sequences is None or prompt is None or (_get(kwargs, config, "num_beams") or 1) != 1:
+    fed = kwargs.get("inputs_embeds") if _fed_embeds(kwargs) else None
+    if fed is not None:
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones(fed.shape[:2], dtype=torch.long, device=fed.device) if mask is None else mask
+        prompt = _call_input_ids(args, kwargs)
+        if not isinstance(prompt, torch.Tensor) or prompt.shape != fed.shape[:2]:
+            prompt = None  # (sequences hold the new tokens alone: placeholders stand for the prompt's)
+    else:
+        prompt_and_mask = _prompt_and_mask(args, kwargs, config)
+        prompt, mask = prompt_and_mask if prompt_and_mask is not None else (None, None)
+    if sequences is None or mask is None or (_get(kwargs, config, "num_beams") or 1) != 1:
         return
     n = _get(kwargs, config, "num_return_sequences") or 1
-    mask = prompt[1].repeat_interleave(n, dim=0)  # one row per returned sequence
+    mask = mask.repeat_interleave(n, dim=0)  # one row per returned sequence
     B, T = mask.shape
+    if prompt is None:  # (fed embeddings alone)
+        placeholders = torch.zeros(B, T, dtype=sequences.dtype, device=sequences.device)
+        sequences = torch.cat([placeholders, sequences], dim=1)
     L = cache.logical_len
     if sequences.shape[0] != B or not T <= L < sequences.shape[1] or cache.batch_size != B:
         return
     grown = torch.ones(B, L - T, dtype=mask.dtype, device=mask.device)
     tokens = sequences[:, :L].clone()
+    embeds = computed_from.embeds if computed_from is not None else None
     if computed_from is not None:
-        tokens[:, : computed_from.shape[1]] = computed_from.to(tokens.device)
-    cache.held_tokens = (tokens, torch.cat([mask, grown], dim=1))
+        tokens[:, : computed_from.ids.shape[1]] = computed_from.ids.to(tokens.device)
+    if fed is not None:
+        fed = fed.detach().repeat_interleave(n, dim=0)
+        L0 = 0 if computed_from is None else computed_from.ids.shape[1]
+        if L0:  # the earlier columns' embeddings, then the ones fed after them: the first T columns' inputs
+            before = _held_inputs(model, computed_from, embeds=True)["inputs_embeds"]
+            embeds = torch.cat([before, fed[:, L0:].to(before.device, before.dtype)], dim=1)
+        else:
+            embeds = fed.clone()  # (a soft prompt trained further in place later: the cache holds what was computed)
+    cache.held_tokens = HeldTokens(tokens, torch.cat([mask, grown], dim=1), embeds)
 
 
-def _continues_other_tokens(held, args: tuple, kwargs: dict, config) -> bool:
-    """Whether a call given the cache an earlier patched call returned has a prompt that is longer than the
-    tokens that cache held, with the same mask over them, but other tokens at some unmasked column."""
-    prompt = _prompt_and_mask(args, kwargs, config)
-    if prompt is None or _candidate_decoding(kwargs, config) or kwargs.get("use_cache", config.use_cache) is False:
+def _fed_embeds(kwargs: dict) -> bool:
+    """Whether a generate() call is fed ``inputs_embeds`` [B, T, hidden]."""
+    embeds = kwargs.get("inputs_embeds")
+    return isinstance(embeds, torch.Tensor) and embeds.dim() == 3
+
+
+def _extends_held_columns(held: HeldTokens, args: tuple, kwargs: dict, config) -> bool:
+    """Whether a call given the cache an earlier patched call returned has a prompt (``input_ids`` or
+    ``inputs_embeds``) that is longer than the columns that cache held, with the same rows and the same mask over
+    them, and asks for one sequence per row (no beams, no samples per prompt, the cache used): a prompt that
+    stock computes on top of that cache's K/V alone."""
+    if _fed_embeds(kwargs):
+        embeds = kwargs["inputs_embeds"]
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device) if mask is None else mask
+        width = embeds.shape[:2]
+    else:
+        prompt = _prompt_and_mask(args, kwargs, config)
+        if prompt is None:
+            return False
+        mask, width = prompt[1], prompt[0].shape
+    if _candidate_decoding(kwargs, config) or kwargs.get("use_cache", config.use_cache) is False:
         return False
     if (_get(kwargs, config, "num_beams") or 1) != 1 or (_get(kwargs, config, "num_return_sequences") or 1) != 1:
         return False
-    (input_ids, mask), (held_ids, held_mask) = prompt, held
-    B, L = held_ids.shape
-    if input_ids.shape[0] != B or input_ids.shape[1] <= L:
+    B, L = held.ids.shape
+    if tuple(width) != (B, width[1]) or width[1] <= L or not isinstance(mask, torch.Tensor) or mask.shape != width:
         return False
-    mask, held_mask = mask[:, :L].to(held_mask.device).bool(), held_mask.bool()
-    if not torch.equal(mask, held_mask):
+    return torch.equal(mask[:, :L].to(held.mask.device).bool(), held.mask.bool())
+
+
+def _continues_other_tokens(held: HeldTokens, args: tuple, kwargs: dict, config) -> bool:
+    """Whether a call given the cache an earlier patched call returned has a prompt of ``input_ids`` that extends
+    the columns that cache held (:func:`_extends_held_columns`) with other tokens at some unmasked column."""
+    prompt = _prompt_and_mask(args, kwargs, config)
+    if prompt is None or not _extends_held_columns(held, args, kwargs, config):
         return False
-    return bool(((input_ids[:, :L].to(held_ids.device) != held_ids) & held_mask).any())
+    L = held.ids.shape[1]
+    return bool(((prompt[0][:, :L].to(held.ids.device) != held.ids) & held.mask.bool()).any())
 
 
 # attention implementations paged attention stands in for: transformers' own (looked up in its registry, and

@@ -1474,6 +1474,61 @@ def test_one_returned_cache_passed_on_every_turn_follows_the_latest_turn_as_stoc
     _assert_same_output(got[1], ref[1])
 
 
+def _soft_prompt(model, ids):
+    """``ids``' embeddings with a few columns moved off them: a soft prompt (or spliced-in features) that no token id
+    stands for."""
+    embeds = model.get_input_embeddings()(ids).detach().clone()
+    embeds[:, 1:4] += 0.7
+    return embeds
+
+
+@pytest.mark.parametrize("turns", ["embeds, then ids", "ids, then embeds", "embeds, ids, embeds",
+                                   "embeds, ids, ids", "embeds and ids, then ids", "embeds, then a hole"])
+def test_the_returned_cache_of_a_call_fed_inputs_embeds_continues_from_those_embeddings_as_stocks(turns):
+    # stock's returned cache holds the K/V computed from the embeddings; the patched call recorded no tokens, so the
+    # next turn computed its prompt afresh from its own inputs: a soft prompt fed on the first turn was lost (and
+    # embeddings fed on a later turn replaced the K/V of the tokens the cache held)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([6, 9], seed=1)
+    more = torch.randint(3, 96, (2, 2), generator=torch.Generator().manual_seed(2))
+    name = astrai_hf.cache_kwarg(model)
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    steps = turns.split(", then ") if ", then " in turns else turns.split(", ")
+
+    def run(m):
+        soft = _soft_prompt(m, ids)
+        if steps[0] == "ids":
+            out = m.generate(ids, attention_mask=mask, **kw)
+            seq = out.sequences
+        else:
+            out = m.generate(inputs_embeds=soft, attention_mask=mask, **kw, **(
+                {"input_ids": ids} if steps[0] == "embeds and ids" else {}))
+            seq = out.sequences if steps[0] == "embeds and ids" else torch.cat([ids, out.sequences], 1)
+        soft[:, 1:4] += 5.0  # (a soft prompt trained further in place: the cache holds what was computed)
+        cache, outs = getattr(out, name), []
+        for step in steps[1:]:
+            seq = torch.cat([seq, more], 1)
+            m2 = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+            if step == "embeds":
+                fed = dict(inputs_embeds=_soft_prompt(m, seq))
+            elif step == "a hole":
+                m2[0, -1] = 0  # (stock masks it for the new columns only; the cache's K/V stay as computed)
+                fed = dict(inputs=seq)
+            else:
+                fed = dict(inputs=seq)
+            out = m.generate(**fed, attention_mask=m2, **kw, **{name: cache})
+            outs.append(out)
+            seq = torch.cat([seq, out.sequences[:, seq.shape[1]:] if "inputs" in fed else out.sequences], 1)
+        return outs
+
+    ref = run(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        got = run(patched)
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    for g, r in zip(got, ref, strict=True):
+        _assert_same_output(g, r, tol=1e-4)
+
+
 @pytest.mark.parametrize("call", ["beams", "inputs_embeds"])
 def test_the_returned_cache_of_a_call_that_records_no_tokens_reads_stocks_length_and_takes_row_selections(call):
     # (its get_seq_length() had read 0, and a boolean batch_select_indices raised "the cache holds 0 rows")
@@ -1593,22 +1648,28 @@ def test_a_continuation_with_a_hole_on_the_returned_cache_of_a_call_that_records
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_hole_among_the_columns_a_returned_cache_of_inputs_embeds_holds_is_refused_naming_the_rows():
-    # stock's K/V of the columns after the masked one attended it; a fresh cache's would not (other tokens)
+def test_a_hole_among_the_columns_a_returned_cache_of_inputs_embeds_holds_gives_stocks_tokens():
+    # stock's K/V of the columns after the masked one attended it, which a fresh cache's would not (other tokens):
+    # such a call had been refused, from when the returned cache of inputs_embeds recorded no columns; it now
+    # continues a stock cache of the columns it recorded, as stock does
     model = tiny_model("llama")
     ids = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(1))
     ids[0, 3] = 0  # the pad token, attended in the first call (mask of ones), masked in the second (no mask)
-    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True)
     name = astrai_hf.cache_kwarg(model)
+
+    def turns(m):
+        first = m.generate(inputs_embeds=m.get_input_embeddings()(ids).detach(), attention_mask=torch.ones_like(ids),
+                           **kw)
+        return m.generate(torch.cat([ids, first.sequences], 1), **kw, **{name: getattr(first, name)})
+
+    ref = turns(model)
     with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
-        first = patched.generate(inputs_embeds=patched.get_input_embeddings()(ids).detach(),
-                                 attention_mask=torch.ones_like(ids), **kw)
-        cache = getattr(first, name)
-        with pytest.raises(ValueError, match=r"rows \[0\] mask a column among the 17 the cache passed in holds"):
-            patched.generate(torch.cat([ids, first.sequences], 1), **kw, **{name: cache})
+        _assert_same_output(turns(patched), ref)
         assert _used(astrai_hf.get_pool(patched)) == 0
+        first = patched.generate(inputs_embeds=patched.get_input_embeddings()(ids).detach(), **kw)
         with pytest.raises(ValueError, match=r"from 0, got \[-1\]"):
-            cache.reorder_cache(torch.tensor([0, -1]))  # (no rows recorded, the index is still checked)
+            getattr(first, name).reorder_cache(torch.tensor([0, -1]))
 
 
 @pytest.mark.parametrize("how", ["patched", "a PagedCache without patch()"])
