@@ -1259,8 +1259,10 @@ class PagedCache(Cache):
         out = gather_kv(layer, slots.to(layer.device, torch.long).reshape(-1), len(seq), width)
         return out.masked_fill(padding.to(layer.device)[:, None, :, None], 0)
 
-    def activate_past_recording(self) -> None:
-        pass
+    def activate_past_recording(self, **kwargs) -> None:
+        """Candidate decoding calls this before it crops the cache (keyword arguments such as
+        ``recurrent_states_to_keep`` from transformers 5.25 on, for layers of fixed-size state): the pool keeps every
+        token of a row until :meth:`crop` drops them, so there is nothing to turn on."""
 
     # ------------------------------------------------------------------ row operations
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from .config import KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
 from .graphs import CaptureRefused, DecodeGraphRunner
+from .interrupts import interrupts_deferred
 from .metadata import StepMetadata
 from .pool import PagePool, attention_modules, unsupported_model
 
@@ -189,6 +190,7 @@ def patch(
             f"{type(model).__name__}: found no self-attention modules with a layer_idx; astrai-hf cannot patch it"
         )
     _check_attention_modules(model, modules)
+    _check_not_shared(model, modules)
     own_pool_kwargs, chosen = None, pool is not None or bool(pool_kwargs)
     if pool is None:
         pool = PagePool.from_model(model, **pool_kwargs)
@@ -323,7 +325,13 @@ _INSTALLED = ("forward", "generate", "__deepcopy__", "__reduce_ex__")  # instanc
 
 
 def _install(model: torch.nn.Module, state: PatchState, modules) -> None:
-    """Put ``state``'s wrappers on ``model``: forward, generate, the family patches, and a ``__deepcopy__``."""
+    """Put ``state``'s wrappers on ``model``: forward, generate, the family patches, and a ``__deepcopy__`` (with
+    Ctrl-C held back: a model is left patched or unpatched, never half of each)."""
+    with interrupts_deferred():
+        _install_now(model, state, modules)
+
+
+def _install_now(model: torch.nn.Module, state: PatchState, modules) -> None:
     state.saved_attrs = {name: model.__dict__[name] for name in _INSTALLED if name in model.__dict__}
     from . import patches  # per-family attention-forward patches, shipped as astrai_hf.patches
 
@@ -410,7 +418,13 @@ def _reduce_unpatched(obj: torch.nn.Module, state: PatchState | None, protocol: 
 
 
 def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
-    """Take everything :func:`_install` put on ``model`` off again (``state`` itself is left as it is)."""
+    """Take everything :func:`_install` put on ``model`` off again (``state`` itself is left as it is), with Ctrl-C
+    held back (a model half unpatched would keep hooks that patch it again when copied)."""
+    with interrupts_deferred():
+        _uninstall_now(model, state)
+
+
+def _uninstall_now(model: torch.nn.Module, state: PatchState) -> None:
     model.__dict__.pop(_STATE_ATTR, None)
     state.install_token = None
     for name in _INSTALLED:
@@ -424,6 +438,9 @@ def _uninstall(model: torch.nn.Module, state: PatchState) -> None:
         else:
             model.__dict__.pop(name, None)
     for m in model.modules():
+        ref = m.__dict__.get(_STATE_ATTR)
+        if isinstance(ref, weakref.ref) and ref() not in (state, None):
+            continue  # (another patched model's module, shared since: that model's patch stays)
         m.__dict__.pop(_STATE_ATTR, None)
         if isinstance(m.__dict__.get("__reduce_ex__"), _OnInstance):
             m.__dict__.pop("__reduce_ex__")
@@ -1698,6 +1715,28 @@ def _dynamically_quantized(model) -> str | None:
     return None
 
 
+def _check_not_shared(model, modules: list, state: PatchState | None = None, when: str = "") -> None:
+    """Refuse attention ``modules`` of ``model`` that carry another patched model's state: a module shared by two
+    models (a reference model sharing its first layers with the policy, a trunk assigned to two heads) runs paged
+    attention under one patch, and a second patch would take it from the first, which then fails.
+
+    Raises:
+        NotImplementedError: naming the module; ``patch()`` leaves the model unpatched (the zero-code hook leaves it
+            on stock ``generate()``).
+    """
+    for m in modules:
+        ref = m.__dict__.get(_STATE_ATTR)
+        other = ref() if isinstance(ref, weakref.ref) else None
+        if other is None or other is state:
+            continue
+        name = next((n for n, sub in model.named_modules() if sub is m), type(m).__name__)
+        raise NotImplementedError(
+            f"{type(model).__name__}{when}: its attention module {name!r} is shared with another patched model; a "
+            "module runs paged attention for one patched model only, so astrai-hf cannot patch this one too (patch "
+            "one of them, or give this one a copy of its own with copy.deepcopy)"
+        )
+
+
 def _attach_modules(model, state: PatchState, modules: list) -> None:
     """Make ``modules`` run paged attention under ``state``: each carries the state (and pickles unpatched), and
     the configs they read their attention implementation from are the ones a paged step switches."""
@@ -1726,6 +1765,7 @@ def _sync_modules(model, state: PatchState) -> None:
     modules = attention_modules(model, every_copy=True)
     if [id(m) for m in modules] != [id(ref()) for ref in state.module_refs]:
         _check_attention_modules(model, modules, " (it changed since patch())")
+        _check_not_shared(model, modules, state, " (it changed since patch())")
         _attach_modules(model, state, modules)
         _close_runners(state)  # captured over the modules that left
         logger.info("%s: its attention modules changed since patch(); patched the new ones", type(model).__name__)

@@ -189,3 +189,27 @@ def test_interrupts_deferred_keeps_the_callers_sigint_setting(disposition):
         assert calls == ([signal.SIGINT] if disposition == "user handler" else [])
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_inside_unpatch_leaves_the_model_whole():
+    # an interrupt between two of unpatch()'s steps had left hooks on the model (a __deepcopy__ that patched the
+    # model again when copied) with is_patched() False, so no later unpatch() could take them off
+    model = tiny_model("llama")
+    before = {id(m): set(m.__dict__) for m in model.modules()}
+    undone = []
+
+    def family_patch(*args, **kwargs):  # a family patch whose undo runs second on unpatch (they run reversed)
+        return [lambda: undone.append(True), lambda: signal.raise_signal(signal.SIGINT)]
+
+    from astrai_hf import patches
+
+    original = patches.apply
+    patches.apply = family_patch
+    try:
+        astrai_hf.patch(model, max_tokens=256)
+        with pytest.raises(KeyboardInterrupt):
+            astrai_hf.unpatch(model)
+    finally:
+        patches.apply = original
+    assert undone == [True] and not astrai_hf.is_patched(model)
+    assert {id(m): set(m.__dict__) for m in model.modules()} == before

@@ -341,3 +341,36 @@ def test_a_method_saved_from_a_freed_patched_model_says_what_happened():
     del model
     with pytest.raises(ReferenceError, match="keep a reference to the patched model"):
         generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("when", ["before patch", "after patch"])
+def test_a_model_sharing_attention_modules_with_a_patched_model_is_refused_and_the_first_keeps_working(when):
+    # a reference model sharing its first layer with the policy (TRL's create_reference_model shares layers so):
+    # patching the second took the shared module's patch from the first, whose next generate() raised "ran
+    # astrai-hf paged attention outside a paged forward", also after unpatch() of the second
+    import copy
+
+    ids, mask = left_padded_batch([5, 9, 3], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    policy = tiny_model("llama")
+    ref = copy.deepcopy(policy)
+    stock = policy.generate(ids, **kw)
+    if when == "before patch":
+        ref.model.layers[0] = policy.model.layers[0]
+    astrai_hf.patch(policy, max_tokens=1024)
+    if when == "before patch":
+        with pytest.raises(NotImplementedError, match=r"'model.layers.0.self_attn' is shared with another patched"):
+            astrai_hf.patch(ref, max_tokens=1024)
+        assert not astrai_hf.is_patched(ref)
+    else:
+        astrai_hf.patch(ref, max_tokens=1024)
+        ref.model.layers[0] = policy.model.layers[0]
+        with pytest.raises(NotImplementedError, match=r"\(it changed since patch\(\)\): its attention module"):
+            ref.generate(ids, **kw)
+        astrai_hf.unpatch(ref)  # (the shared module keeps the policy's patch)
+    assert torch.equal(policy.generate(ids, **kw), stock)
+    assert torch.equal(ref.generate(ids, **kw), stock)  # stock generate(), through the policy's module
+    assert torch.equal(policy.generate(ids, **kw), stock)
+    assert astrai_hf.get_pool(policy).stats()["num_used_pages"] == 0
+    astrai_hf.unpatch(policy)
+    assert not any("_astrai_patch_state" in m.__dict__ for m in ref.modules())
