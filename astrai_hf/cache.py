@@ -980,6 +980,17 @@ class PagedCache(Cache):
         for r, run in zip(fresh, runs or ()):
             rows.reserved[r] = run
 
+    def note_padding(self, attention_mask, batch_size: int, q_len: int) -> None:
+        """Before a first forward whose K/V reach the cache through :meth:`update` alone (a patched model running its
+        own attention: autograd on, attention weights asked for, dropout), read the rows' left padding from its 2-D
+        ``attention_mask`` [B, logical_len + q_len], which ``update()`` is not given (nor, before transformers 5.24,
+        the positions): the padding columns are then not stored as tokens, which the paged steps after would
+        attend. A no-op once the padding is known, or for another mask."""
+        if (self._num_pad is None and not self._first_step_planned and isinstance(attention_mask, torch.Tensor)
+                and attention_mask.dim() == 2 and attention_mask.shape[1] == self.logical_len + q_len
+                and attention_mask.shape[0] in (1, batch_size)):
+            self._num_pad = _broadcast_rows(left_padding(attention_mask), batch_size)
+
     def _note_positions(self, position_ids: torch.Tensor, step: StepMetadata, B: int, q: int) -> None:
         """Keep this cache's tokens out of the prefix cache if a step placed them at positions other than the ones
         ``generate()`` gives them (a forward of the caller's own on a padded batch without ``position_ids``, or

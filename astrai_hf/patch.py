@@ -190,7 +190,6 @@ def patch(
             f"{type(model).__name__}: found no self-attention modules with a layer_idx; astrai-hf cannot patch it"
         )
     _check_attention_modules(model, modules)
-    _check_not_shared(model, modules)
     own_pool_kwargs, chosen = None, pool is not None or bool(pool_kwargs)
     if pool is None:
         pool = PagePool.from_model(model, **pool_kwargs)
@@ -199,6 +198,7 @@ def patch(
         with _INSTALL_LOCK:
             state = getattr(model, _STATE_ATTR, None)
             if state is None:
+                _check_not_shared(model, modules)  # (under the lock: another thread's patch of this model is seen)
                 _patch_onto(model, pool, modules, pack_prefill, prefill_chunk_tokens, cuda_graphs, own_pool_kwargs)
                 return given
     # another thread's patch() of this model installed first: this call applies its settings to that patch, and
@@ -542,6 +542,12 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
     """Why paged attention cannot stand in for ``model``'s attention, or None when it can: the pool's own limits
     (:func:`~astrai_hf.pool.unsupported_model`), attention sinks, and layers that reuse another layer's K/V other
     than as ``num_kv_shared_layers`` describes (see :func:`~astrai_hf.config.kv_sharing_sources`)."""
+    for cls in sorted({type(m) for m in modules}, key=lambda c: c.__name__):
+        slot = kv_stored_under_other_layers(cls)
+        if slot is not None:
+            return (f"{cls.__name__} stores its K/V under cache layer `{slot}`: the model runs its attention modules "
+                    "more than once per forward (recurrent loops or cycles through its layers), each pass under "
+                    "other cache layers, which paged attention, one pool layer per attention module, does not serve")
     reason = unsupported_model(model)
     if reason is not None:
         return reason
@@ -603,6 +609,21 @@ def kv_rewritten_after_update(cls: type) -> str | None:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 if {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)} & kv:
                     return ast.unparse(node).splitlines()[0][:100]
+    return None
+
+
+def kv_stored_under_other_layers(cls: type) -> str | None:
+    """The layer index expression of ``cls.forward``'s ``<cache>.update(k, v, layer_idx, ...)`` call where it is
+    computed from the module's ``layer_idx`` (``self.layer_idx + cycle_offset``: a module run once per loop of a
+    recurrent model, storing each loop's K/V under cache layers of its own), or None; None too when the source
+    cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if _is_update(node) and isinstance(node.args[2], ast.BinOp):
+            return ast.unparse(node.args[2])[:80]
     return None
 
 
@@ -952,6 +973,11 @@ def _wrap_forward(owner, forward, state: PatchState):
             cache.check_prefix_hits()
         if not cache.made_by_generate and not cache._first_step_planned:
             _sync_windows(state)  # a cache of the caller's starts: the config may have changed since the last call
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
+            # (a first forward that falls back below stores through update(), which is not given the mask)
+            cache.note_padding(kwargs.get("attention_mask"), *inputs.shape[:2])
         if kwargs.get("output_attentions") or (kwargs.get("output_attentions") is None
                                                and getattr(model.config, "output_attentions", False)):
             # attention weights asked for (a cache of the caller's; generate() marks its own stock_attention):
@@ -978,8 +1004,6 @@ def _wrap_forward(owner, forward, state: PatchState):
             # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
             # (paged attention reads the pool, which is outside autograd)
             return forward(*args, **kwargs)
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         B, q = inputs.shape[:2]
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         own_loop = not cache.made_by_generate and not state.generating  # a forward of the caller's own
@@ -1404,8 +1428,9 @@ def _continue_held_tokens(model, state: PatchState, held: HeldTokens, args: tupl
     try:
         start = cache.get_seq_length()
         positions = (held.mask.long().cumsum(-1) - 1).clamp(min=0)
-        model(**_held_inputs(model, held, start), attention_mask=held.mask, position_ids=positions[:, start:],
-              use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
+        with torch.no_grad():  # (as generate() computes the K/V it keeps)
+            model(**_held_inputs(model, held, start), attention_mask=held.mask, position_ids=positions[:, start:],
+                  use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
         out = model.generate(*args, **{**kwargs, state.cache_kwarg: cache})
         _note_held_tokens(cache, out, args, kwargs, config, computed_from=held, model=model)
         return _continued_in(returned, cache, out, state.cache_kwarg)

@@ -5,6 +5,7 @@ the feature (before any pool is built or any output changes), and the zero-code 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import pytest
@@ -133,6 +134,19 @@ def _gpt_neox_japanese():  # attention written by hand, which .view()s the K/V t
         intermediate_multiple_size=2))
 
 
+def _dory(mode="per_loop"):  # runs its recurrent layers' attention modules once per loop, under other cache layers
+    if not hasattr(T, "DoryConfig"):
+        pytest.skip("Dory is in transformers 5.24 and later")
+    return T.DoryForCausalLM(T.DoryConfig(
+        **{k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}, num_hidden_layers=3, head_dim=16,
+        n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, recurrent_kv_cache_mode=mode))
+
+
+def _hrm_text():  # cycles through its stacks of layers, each cycle under other cache layers
+    return T.HrmTextForCausalLM(T.HrmTextConfig(**{**_COMMON, "num_hidden_layers": 2}, head_dim=16, H_cycles=2,
+                                                L_cycles=1, num_layers_per_stack=1))
+
+
 UNSUPPORTED = {
     "gpt_oss": (_gpt_oss, "attention sinks"),
     "deepseek_v3": (_deepseek_v3, "multi-head latent attention"),
@@ -153,6 +167,9 @@ UNSUPPORTED = {
     "qwen2_moe_window": (_qwen2_moe, "sliding window .* through the attention mask only"),
     "git": (_git, "GitSelfAttention computes attention without transformers' AttentionInterface"),
     "gpt_neox_japanese": (_gpt_neox_japanese, "GPTNeoXJapaneseAttention computes attention without"),
+    "dory_per_loop": (_dory, r"under cache layer `self.layer_idx \+ cache_offset`: .* more than once per forward"),
+    "dory_last_loop": (functools.partial(_dory, "last_loop"), r"more than once per forward"),
+    "hrm_text": (_hrm_text, r"under cache layer `self.layer_idx \+ cycle_offset`"),
 }
 
 
