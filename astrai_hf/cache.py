@@ -982,14 +982,26 @@ class PagedCache(Cache):
 
     def note_padding(self, attention_mask, batch_size: int, q_len: int) -> None:
         """Before a first forward whose K/V reach the cache through :meth:`update` alone (a patched model running its
-        own attention: autograd on, attention weights asked for, dropout), read the rows' left padding from its 2-D
-        ``attention_mask`` [B, logical_len + q_len], which ``update()`` is not given (nor, before transformers 5.24,
-        the positions): the padding columns are then not stored as tokens, which the paged steps after would
-        attend. A no-op once the padding is known, or for another mask."""
-        if (self._num_pad is None and not self._first_step_planned and isinstance(attention_mask, torch.Tensor)
-                and attention_mask.dim() == 2 and attention_mask.shape[1] == self.logical_len + q_len
-                and attention_mask.shape[0] in (1, batch_size)):
-            self._num_pad = _broadcast_rows(left_padding(attention_mask), batch_size)
+        own attention: autograd on, attention weights asked for, dropout, a 4-D mask), read the rows' left padding
+        from its ``attention_mask``, which ``update()`` is not given (nor, before transformers 5.24, the positions):
+        the padding columns are then not stored as tokens, which the paged steps after would attend. A 2-D mask
+        [B, logical_len + q_len] gives each row's leading zeros; a 4-D one [B, 1 or heads, q_len, logical_len +
+        q_len] (bool, or additive float) the leading columns no query sees. A no-op once the padding is known, or
+        for a mask of another shape."""
+        if (self._num_pad is not None or self._first_step_planned or not isinstance(attention_mask, torch.Tensor)
+                or attention_mask.dim() not in (2, 4) or attention_mask.shape[-1] != self.logical_len + q_len
+                or attention_mask.shape[0] not in (1, batch_size)):
+            return
+        if attention_mask.dim() == 4:
+            seen = attention_mask if attention_mask.dtype == torch.bool else (
+                attention_mask > torch.finfo(attention_mask.dtype).min / 2 if attention_mask.is_floating_point()
+                else attention_mask.bool())
+            seen = seen.any(dim=1).any(dim=1)  # [B, columns]: a column some query of the row sees
+        else:
+            seen = attention_mask.bool()
+        # (a row's leading columns alone: a hole after them is the mask's to apply, as the model's own attention does)
+        leading = (seen.long().cumsum(-1) == 0).sum(-1).tolist()
+        self._num_pad = _broadcast_rows(leading, batch_size)
 
     def _note_positions(self, position_ids: torch.Tensor, step: StepMetadata, B: int, q: int) -> None:
         """Keep this cache's tokens out of the prefix cache if a step placed them at positions other than the ones

@@ -60,6 +60,7 @@ class PatchState:
     # the model is moved to another dtype or device
     own_pool_kwargs: dict | None = None
     module_refs: list = field(default_factory=list)  # weak references to the attention modules
+    model_ref: object = None  # a weak reference to the patched model
     forward: object = None  # the model's own forward, which the patched one wraps (holding the model weakly)
     generating: int = 0  # patched generate() calls under way (nested: peft's generate calls the base model's)
     continuous_batching: int = 0  # generate(cache_implementation="paged") calls under way (they hold the lock)
@@ -168,6 +169,7 @@ def patch(
     if pool is not None and not isinstance(pool, PagePool):
         raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}: {pool!r}")
     _check_pool_kwargs(pool_kwargs)
+    _warn_untested_transformers()
     given, model = model, _underlying(_as_module("patch()", model))
     state = getattr(model, _STATE_ATTR, None)
     if state is None and not callable(getattr(model, "generate", None)):
@@ -210,6 +212,24 @@ def patch(
 # held while patch() installs its wrappers on a model or unpatch() takes them off (never while waiting for a call):
 # two threads patching one model at once install once, and the second applies its settings to that patch
 _INSTALL_LOCK = threading.RLock()
+
+# the transformers releases the test suite runs on (README, Supported models and versions); pyproject.toml pins them
+TESTED_TRANSFORMERS = ("5.17", "5.24")
+
+
+@functools.cache  # (once per process)
+def _warn_untested_transformers() -> None:
+    """Log a warning when the installed transformers is not one the suite tests (installed past the pin, say with
+    ``--no-deps``): outputs equal to stock's are checked on the tested releases only (5.25 changes how attention
+    modules read their sliding window, for one)."""
+    import transformers
+    from packaging.version import Version
+
+    installed = Version(transformers.__version__).release[:2]
+    low, high = (Version(v).release[:2] for v in TESTED_TRANSFORMERS)
+    if not low <= installed <= high:
+        logger.warning("transformers %s is outside the releases astrai-hf is tested with (%s to %s): outputs may "
+                       "differ from stock transformers'", transformers.__version__, *TESTED_TRANSFORMERS)
 
 
 def _check_pool_kwargs(pool_kwargs: dict) -> None:
@@ -340,6 +360,7 @@ def _install_now(model: torch.nn.Module, state: PatchState, modules) -> None:
         state.family_undo = patches.apply(model, modules)
         _attach_modules(model, state, modules)
         state.install_token = object()
+        state.model_ref = weakref.ref(model)
         replaces = model.__dict__.get("forward")
         model.forward = _wrap_forward(model, model.forward, state)
         model.forward.astrai_hf_replaces = replaces  # accelerate's forward on the instance, say (or None)
@@ -1753,6 +1774,11 @@ def _check_not_shared(model, modules: list, state: PatchState | None = None, whe
         ref = m.__dict__.get(_STATE_ATTR)
         other = ref() if isinstance(ref, weakref.ref) else None
         if other is None or other is state:
+            continue
+        owner = other.model_ref() if other.model_ref is not None else None
+        if owner is not None and any(sub is model for sub in owner.modules()):
+            # a wrapper of this model patched before it (peft's PeftModel): the wrapper's forward runs this model's,
+            # whose own patch takes the modules over, as it did before modules were checked
             continue
         name = next((n for n, sub in model.named_modules() if sub is m), type(m).__name__)
         raise NotImplementedError(

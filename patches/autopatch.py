@@ -14,6 +14,7 @@ turns the prefix cache off).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import weakref
@@ -65,6 +66,7 @@ def install(**pool_kwargs) -> None:
     from transformers.generation.utils import GenerationMixin
 
     from astrai_hf.config import as_count
+    from astrai_hf.pool import PagePool
 
     if "generate" in _installed:
         return
@@ -72,6 +74,10 @@ def install(**pool_kwargs) -> None:
     for name in ("max_tokens", "page_size", "max_seq_len", "max_reqs"):
         if settings.get(name) is not None:
             as_count(name, settings[name], 1)
+    page_size = settings.get("page_size") or inspect.signature(PagePool.__init__).parameters["page_size"].default
+    if settings.get("max_tokens") is not None and settings["max_tokens"] < page_size:
+        # (checked now: each model's patch() would raise it inside the script, at its first generate())
+        raise ValueError(f"max_tokens={settings['max_tokens']} is smaller than one page (page_size={page_size})")
     original = GenerationMixin.generate
 
     @functools.wraps(original)

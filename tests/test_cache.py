@@ -536,3 +536,13 @@ def test_crop_refuses_a_non_int_and_leaves_the_cache_as_it_was():
     cache.reorder_cache(torch.tensor([0, 1, 1]))
     cache.release()
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
+
+
+def test_activate_past_recording_takes_the_keywords_candidate_decoding_passes():
+    # transformers 5.25's assisted and prompt-lookup decoding pass recurrent_states_to_keep= (for layers of
+    # fixed-size state), and a patched call had raised TypeError there; the pool keeps every token until crop()
+    model = tiny_model("llama")
+    with PagedCache(PagePool.from_model(model, max_tokens=64, page_size=PAGE)) as cache:
+        cache.activate_past_recording()
+        cache.activate_past_recording(recurrent_states_to_keep=3)
+        assert cache.get_seq_length() == 0

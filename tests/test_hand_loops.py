@@ -602,7 +602,7 @@ def test_a_cache_built_for_an_activated_lora_is_not_pre_filled_from_the_prefix_c
         astrai_hf.unpatch(patched)
 
 
-@pytest.mark.parametrize("first", ["with autograd on", "asking for attentions"])
+@pytest.mark.parametrize("first", ["with autograd on", "asking for attentions", "under a 4-D mask", "then generate()"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_a_first_forward_the_models_own_attention_runs_stores_no_padding_for_the_paged_steps_after(first, arch):
     # such a forward stores its K/V through update(), which before transformers 5.24 is handed no positions: a
@@ -612,6 +612,10 @@ def test_a_first_forward_the_models_own_attention_runs_stores_no_padding_for_the
     ids, mask = left_padded_batch([6, 9], seed=1)
     kw = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
               output_attentions=first == "asking for attentions")
+    if first in ("under a 4-D mask", "then generate()"):  # (an additive float mask: 0 where seen)
+        n = ids.shape[1]
+        seen = torch.tril(torch.ones(n, n, dtype=torch.bool))[None] & mask.bool()[:, None, :]
+        kw["attention_mask"] = torch.where(seen, 0.0, torch.finfo(torch.float32).min)[:, None]
 
     def run(m, cache):
         name = astrai_hf.cache_kwarg(m)
@@ -619,6 +623,11 @@ def test_a_first_forward_the_models_own_attention_runs_stores_no_padding_for_the
         with grad:
             tok = m(input_ids=ids, **kw, **{name: cache}).logits[:, -1:].argmax(-1)
         tokens, logits, grown = [], [], mask
+        if first == "then generate()":
+            out = m.generate(torch.cat([ids, tok], 1), attention_mask=torch.cat([mask, torch.ones_like(tok)], 1),
+                             max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                             **{name: cache})
+            return out.sequences[:, -5:], torch.stack(out.logits, 1)
         with torch.no_grad():
             for _ in range(5):
                 grown = torch.cat([grown, torch.ones_like(tok)], 1)

@@ -374,3 +374,36 @@ def test_a_model_sharing_attention_modules_with_a_patched_model_is_refused_and_t
     assert astrai_hf.get_pool(policy).stats()["num_used_pages"] == 0
     astrai_hf.unpatch(policy)
     assert not any("_astrai_patch_state" in m.__dict__ for m in ref.modules())
+
+
+@pytest.mark.parametrize("version, warned", [("5.25.0", True), ("4.57.1", True), ("5.24.0", False),
+                                             ("5.17.0", False), ("5.20.1.dev0", False)])
+def test_patch_warns_once_on_a_transformers_release_the_suite_does_not_test(version, warned, monkeypatch, caplog):
+    # the pin used to allow every 5.x: transformers 5.25 installed beside it made prompt lookup raise and gave
+    # windowed models other tokens than stock, without a word
+    import logging
+    from pathlib import Path
+
+    import transformers
+
+    import importlib
+
+    patch_module = importlib.import_module("astrai_hf.patch")
+
+    low, high = patch_module.TESTED_TRANSFORMERS
+    major, minor = high.split(".")
+    pin = f'"transformers>={low},<{major}.{int(minor) + 1}"'
+    assert pin in (Path(__file__).parents[1] / "pyproject.toml").read_text()  # (the pin and the warning agree)
+    monkeypatch.setattr(transformers, "__version__", version)
+    patch_module._warn_untested_transformers.cache_clear()
+    model = tiny_model("llama")
+    try:
+        with caplog.at_level(logging.WARNING, logger="astrai_hf"):
+            for _ in range(2):
+                astrai_hf.patch(model, max_tokens=64)
+                astrai_hf.unpatch(model)
+    finally:
+        patch_module._warn_untested_transformers.cache_clear()
+    said = [r.getMessage() for r in caplog.records if "outside the releases" in r.getMessage()]
+    assert said == ([f"transformers {version} is outside the releases astrai-hf is tested with (5.17 to 5.24): "
+                     "outputs may differ from stock transformers'"] if warned else [])

@@ -1811,3 +1811,19 @@ def test_weights_of_a_tensor_subclass_without_a_byte_view_are_watched_through_th
             _assert_same_output(model.generate(ids, **kw), ref)
         assert _used(astrai_hf.get_pool(model)) == 0
         assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] > 0  # (the second call reuses the first's)
+
+
+def test_a_base_model_patched_inside_its_patched_peft_wrapper_is_not_refused_as_shared():
+    # the wrapper's attention modules are the base model's own: patching the base after the wrapper (the zero-code
+    # hook does, when peft's generate() calls the base's) had been refused as "shared with another patched model"
+    peft = pytest.importorskip("peft")
+    ids, mask = left_padded_batch([9, 4], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    peft_model = peft.get_peft_model(tiny_model("llama"), config).eval()
+    ref = peft_model.generate(input_ids=ids, **kw)
+    with astrai_hf.patched(peft_model, max_tokens=512):
+        with astrai_hf.patched(peft_model.get_base_model(), max_tokens=512) as base:
+            assert torch.equal(peft_model.generate(input_ids=ids, **kw), ref)
+            assert _used(astrai_hf.get_pool(base)) == 0

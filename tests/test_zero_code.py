@@ -97,15 +97,25 @@ def test_settings_from_env():
         autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": "maybe"})
 
 
-def test_autopatch_checks_its_sizes_up_front_and_never_falls_back_to_stock_after_an_error():
+def test_autopatch_checks_its_sizes_up_front_and_never_falls_back_to_stock_after_an_error(monkeypatch):
+    for name in ("ASTRAI_HF_MAX_TOKENS", "ASTRAI_HF_PAGE_SIZE"):  # (`astrai-hf run` sets them for its script)
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="page_size must be a positive int, got 0"):
         autopatch.install(page_size=0)
+    for sizes in (dict(max_tokens=8, page_size=16), dict(max_tokens=10)):  # (had raised in the script, at generate())
+        with pytest.raises(ValueError, match=r"max_tokens=(8|10) is smaller than one page \(page_size=16\)"):
+            autopatch.install(**sizes)
     model = tiny_model("llama")
     ids, mask = left_padded_batch([4, 6], seed=2)
-    autopatch.install(max_tokens=8, page_size=16)  # sizes that fail only when a pool is built for a model
+
+    def refused(*args, **kwargs):  # a pool that cannot be built for this model (its sizes, its memory)
+        raise ValueError("no pool for this model")
+
+    autopatch.install(max_tokens=64)
+    monkeypatch.setattr(astrai_hf.PagePool, "from_model", refused)
     try:
         for _ in range(2):  # the second call had run stock generate(), unpatched, without a word
-            with pytest.raises(ValueError, match="max_tokens=8 is smaller than one page"):
+            with pytest.raises(ValueError, match="no pool for this model"):
                 model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
         assert not astrai_hf.is_patched(model)
     finally:
