@@ -633,6 +633,7 @@ def kv_rewritten_after_update(cls: type) -> str | None:
     return None
 
 
+@functools.cache
 def kv_stored_under_other_layers(cls: type) -> str | None:
     """The layer index expression of ``cls.forward``'s ``<cache>.update(k, v, layer_idx, ...)`` call where it is
     computed from the module's ``layer_idx`` (``self.layer_idx + cycle_offset``: a module run once per loop of a
@@ -1567,9 +1568,8 @@ def _columns_after_held(held, args: tuple, kwargs: dict, config, length: int = 0
     L = held.ids.shape[1] if held is not None else length
     if L == 0 or not (_get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions")):
         return None
-    embeds = kwargs.get("inputs_embeds")
-    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
-        width = embeds.shape[1]  # [B, T, hidden]: stock's first forward is fed the columns after L of these
+    if _fed_embeds(kwargs):
+        width = kwargs["inputs_embeds"].shape[1]  # [B, T, hidden]: stock's first forward is fed the columns after L
     else:
         prompt = _prompt_and_mask(args, kwargs, config)
         if prompt is None:
@@ -1621,10 +1621,9 @@ def _note_held_tokens(cache: PagedCache, out, args: tuple, kwargs: dict, config,
     whose cache rows are not the returned sequences (beams); several samples per prompt are rows of their own, as
     in stock's cache. After candidate decoding the cache holds the accepted tokens but the last, as stock's does."""
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-    fed = kwargs.get("inputs_embeds") if _fed_embeds(kwargs) else None
+    fed = kwargs["inputs_embeds"] if _fed_embeds(kwargs) else None
     if fed is not None:
-        mask = kwargs.get("attention_mask")
-        mask = torch.ones(fed.shape[:2], dtype=torch.long, device=fed.device) if mask is None else mask
+        mask = _embeds_mask(kwargs)
         prompt = _call_input_ids(args, kwargs)
         if not isinstance(prompt, torch.Tensor) or prompt.shape != fed.shape[:2]:
             prompt = None  # (sequences hold the new tokens alone: placeholders stand for the prompt's)
@@ -1664,16 +1663,20 @@ def _fed_embeds(kwargs: dict) -> bool:
     return isinstance(embeds, torch.Tensor) and embeds.dim() == 3
 
 
+def _embeds_mask(kwargs: dict):
+    """The mask of a generate() call fed ``inputs_embeds`` [B, T, hidden]: the one passed, else the ones [B, T]
+    generate() implies."""
+    embeds, mask = kwargs["inputs_embeds"], kwargs.get("attention_mask")
+    return torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device) if mask is None else mask
+
+
 def _extends_held_columns(held: HeldTokens, args: tuple, kwargs: dict, config) -> bool:
     """Whether a call given the cache an earlier patched call returned has a prompt (``input_ids`` or
     ``inputs_embeds``) that is longer than the columns that cache held, with the same rows and the same mask over
     them, and asks for one sequence per row (no beams, no samples per prompt, the cache used): a prompt that
     stock computes on top of that cache's K/V alone."""
     if _fed_embeds(kwargs):
-        embeds = kwargs["inputs_embeds"]
-        mask = kwargs.get("attention_mask")
-        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device) if mask is None else mask
-        width = embeds.shape[:2]
+        mask, width = _embeds_mask(kwargs), kwargs["inputs_embeds"].shape[:2]
     else:
         prompt = _prompt_and_mask(args, kwargs, config)
         if prompt is None:

@@ -878,6 +878,13 @@ def _as_device(device) -> torch.device:
     return device
 
 
+def check_holds_a_page(max_tokens: int, page_size: int) -> None:
+    """Raise ValueError when ``max_tokens`` (a pool's capacity in token slots) is less than one page of
+    ``page_size`` slots."""
+    if max_tokens < page_size:
+        raise ValueError(f"max_tokens={max_tokens} is smaller than one page (page_size={page_size})")
+
+
 def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction) -> int:
     if max_tokens is not None and memory_fraction is not None:
         raise ValueError(f"pass max_tokens ({max_tokens}) or memory_fraction ({memory_fraction}), not both")
@@ -894,8 +901,7 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
         return pages
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
-    if max_tokens < page_size:
-        raise ValueError(f"max_tokens={max_tokens} is smaller than one page (page_size={page_size})")
+    check_holds_a_page(max_tokens, page_size)
     pages = max_tokens // page_size
     if (pages + 1) * page_size > 2**31 - 1:  # the req_to_token table holds slots (the trash page's too) as int32
         raise ValueError(f"max_tokens={max_tokens} makes {(pages + 1) * page_size} token slots, more than the "

@@ -66,7 +66,7 @@ def install(**pool_kwargs) -> None:
     from transformers.generation.utils import GenerationMixin
 
     from astrai_hf.config import as_count
-    from astrai_hf.pool import PagePool
+    from astrai_hf.pool import PagePool, check_holds_a_page
 
     if "generate" in _installed:
         return
@@ -75,9 +75,9 @@ def install(**pool_kwargs) -> None:
         if settings.get(name) is not None:
             as_count(name, settings[name], 1)
     page_size = settings.get("page_size") or inspect.signature(PagePool.__init__).parameters["page_size"].default
-    if settings.get("max_tokens") is not None and settings["max_tokens"] < page_size:
+    if settings.get("max_tokens") is not None:
         # (checked now: each model's patch() would raise it inside the script, at its first generate())
-        raise ValueError(f"max_tokens={settings['max_tokens']} is smaller than one page (page_size={page_size})")
+        check_holds_a_page(settings["max_tokens"], page_size)
     original = GenerationMixin.generate
 
     @functools.wraps(original)
