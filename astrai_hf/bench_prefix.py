@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessorList
 
 from .bench import mixed_prompts
 from .cache import cache_kwarg
@@ -149,12 +149,15 @@ def measure_n_samples(model, tokenizer, n: int = 8, prompt_tokens: int = 1000, n
     pool = _pool(model, prefix_cache=True)
     patch(model, pool=pool)
     peak = [0]
-    hook = model.register_forward_hook(lambda *_: peak.__setitem__(0, max(peak[0], pool.stats()["kv_bytes_used"])))
+
+    def record_peak(input_ids, scores):  # after each forward (a logits processor: a forward hook would make the
+        peak[0] = max(peak[0], pool.stats()["kv_bytes_used"])  # call run as hooks need, see has_caller_hooks)
+        return scores
+
     try:
         torch.manual_seed(seed)
-        out = model.generate(ids, **gen)
+        out = model.generate(ids, logits_processor=LogitsProcessorList([record_peak]), **gen)
     finally:
-        hook.remove()
         unpatch(model)
     return {"DynamicCache": dynamic, "astrai-hf": peak[0]}, torch.equal(out.sequences, ref.sequences)
 

@@ -15,7 +15,7 @@ from .config import as_count, as_flag, as_int, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
 from .metadata import StepMetadata, TableWrites, rect_slots
-from .pool import PagePool
+from .pool import PagePool, has_caller_hooks
 from .storage import gather_kv
 
 
@@ -327,9 +327,10 @@ class PagedCache(Cache):
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt; an activated LoRA adapts the
-            # tokens after the prompt's last invocation sequence, a position each prompt sets anew.
-            if rope_depends_on_length(target) or pool.rope_by_length or (
-                    target is not None and peft_adapters_by_row(target) is not None):
+            # tokens after the prompt's last invocation sequence, a position each prompt sets anew. Hooks of the
+            # caller's see the whole prompt in stock, and may act on a position by its index in the forward.
+            if rope_depends_on_length(target) or pool.rope_by_length or (target is not None and (
+                    peft_adapters_by_row(target) is not None or has_caller_hooks(target))):
                 prefix_cache = self._rows.insert_on_release = self._wants_prefix_cache = False
             elif ids_outside_vocabulary(target, input_ids):
                 prefix_cache = self._rows.insert_on_release = False
@@ -742,8 +743,10 @@ class PagedCache(Cache):
             raise ValueError(
                 "this PagedCache is the one a patched generate() returned; it was released when that call ended "
                 "(its pages went to the prefix cache), so it holds no K/V to continue from. Pass it, or nothing, to "
-                "generate() with the whole sequence so far (the prefix cache serves what was computed), or run your "
-                "own forward loop on a PagedCache(pool, ...) of your own"
+                "a patched model's generate() with the whole sequence so far (the prefix cache serves what was "
+                "computed), or run your own forward loop on a PagedCache(pool, ...) of your own; an unpatched model "
+                "(after unpatch(), or past a patched() block) cannot continue from it: call its generate() without "
+                "the cache, which computes the same tokens from the whole sequence"
             )
         rows, pool = self._rows, self.pool
         ps = pool.page_size
@@ -1511,8 +1514,10 @@ class PagedCache(Cache):
         ref = self.__dict__.get("_pool_ref") if name == "pool" else None
         pool = ref() if ref is not None else None
         if pool is None:
-            gone = (": its PagePool is gone (the patched model whose generate() returned this cache was deleted); "
-                    "the cache holds no K/V, and a patched model's generate() still takes it") if ref else ""
+            gone = (": its PagePool is gone (the model whose patched generate() returned this cache was unpatched, "
+                    "or deleted); the cache holds no K/V: a patched model's generate() still takes it, and an "
+                    "unpatched model's generate() computes the same tokens without it from the whole sequence so "
+                    "far") if ref else ""
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{gone}")
         return pool
 

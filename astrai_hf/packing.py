@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .metadata import StepMetadata
+from .pool import has_caller_hooks
 
 _ALL_OUTPUTS = ("output_hidden_states", "output_attentions")
 
@@ -34,7 +35,7 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
 
     Packing needs: a multi-token step fed as ``input_ids`` by keyword, with ``position_ids``; only the last
     position's logits asked for (``logits_to_keep=1``, as ``generate()`` asks); no hidden states or attentions of
-    every position asked for.
+    every position asked for; no forward hooks of the caller's (:func:`~astrai_hf.pool.has_caller_hooks`).
     It gains when padding or duplicate rows would be dropped (``drop_padding``), or when the step is longer than
     ``chunk_tokens``.
     """
@@ -59,6 +60,8 @@ def wants_packing(model, kwargs: dict, step: StepMetadata, input_ids, *, drop_pa
     if real == 0:  # a chunk of padding only (generate(prefill_chunk_size=...) on a left-padded prompt): nothing to pack
         return False
     if not ((drop_padding and real < B * q) or (chunk_tokens is not None and real > chunk_tokens)):
+        return False
+    if has_caller_hooks(model):  # a hook of the caller's may index the rows and positions of stock's rectangle
         return False
     # an id outside the vocabulary under the mask (a pad token added to the tokenizer, the embeddings not
     # resized): the rectangle embeds it, and fails, as stock does; packed, it would never be read

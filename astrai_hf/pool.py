@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -925,8 +926,9 @@ class ModelLayout:
       ``.to(dtype)``, ``param.data = ...``, ``resize_token_embeddings()``, a module assigned anew), and how it is
       viewed (dtype, shape, strides, offset: ``w.data = w.data.t()``);
     - the packed weights of torch's quantized modules, by identity;
-    - each module's code and settings: its class, a ``forward`` replaced on the class or the instance, a submodule
-      swapped for another, a float attribute or ``sliding_window`` changed (``scaling``);
+    - each module, by identity (a submodule swapped for another, even one of the same class and values:
+      ``act_fn = nn.Softplus(beta=8)``), and its code and settings: its class, a ``forward`` replaced on the class
+      or the instance, a float attribute or ``sliding_window`` changed (``scaling``);
     - the forward hooks and pre-hooks on its modules and the global ones (activation steering, ablations, probes);
     - the adapter state of peft tuner layers (``disable_adapter()``, ``set_adapter()``, merges, scales);
     - the config fields that change what the layers compute (:func:`~astrai_hf.persist.config_fingerprint`:
@@ -943,18 +945,18 @@ class ModelLayout:
         self.storages = [weakref.ref(_storage_of(t)) for t in tensors]
         self.views = [_view_of(t) for t in tensors]
         self.packed = [weakref.ref(obj) for obj in _packed_params(model).values()]
+        self.modules = [weakref.ref(m) for m in model.modules()]
         self.behaviour = _behaviour(model)
         self.config = _config_digest(model)
 
     def matches(self, model: torch.nn.Module, tensors: list[torch.Tensor] | None = None) -> bool:
         """Whether ``model`` is still made as it was when this was taken."""
         tensors = _local_tensors(model) if tensors is None else tensors
-        packed = list(_packed_params(model).values())
         return (
-            len(tensors) == len(self.storages)
-            and all(ref() is _storage_of(t) for ref, t in zip(self.storages, tensors))
+            _same_objects(self.storages, map(_storage_of, tensors))
             and [_view_of(t) for t in tensors] == self.views
-            and len(packed) == len(self.packed) and all(ref() is obj for ref, obj in zip(self.packed, packed))
+            and _same_objects(self.packed, _packed_params(model).values())
+            and _same_objects(self.modules, model.modules())
             and _behaviour(model) == self.behaviour
             and _config_digest(model) == self.config
         )
@@ -984,6 +986,12 @@ class _WeightsVersion(ModelLayout):
             and super().matches(model, tensors)
             and _inference_sums(tensors) == self.sums
         )
+
+
+def _same_objects(refs: list, objects) -> bool:
+    """Whether ``objects`` are, in order, the objects ``refs`` (weak references) point to."""
+    objects = list(objects)
+    return len(objects) == len(refs) and all(ref() is obj for ref, obj in zip(refs, objects))
 
 
 def _values_of(t: torch.Tensor) -> torch.Tensor:
@@ -1016,14 +1024,33 @@ def _packed_params(model: torch.nn.Module) -> dict[str, object]:
 
 
 def _inference_sums(tensors: list[torch.Tensor]) -> list[float]:
-    """The float64 sum of each inference tensor (a model built under ``torch.inference_mode()``): they keep no
-    version counter, and ``load_state_dict`` inside that mode changes them in place. One reduction per tensor,
-    a read of the weights per call (for such models only), and one copy of the sums to the host per device."""
+    """Weighted float64 sums of each inference tensor (a model built under ``torch.inference_mode()``): they keep
+    no version counter, and ``load_state_dict`` or an edit inside that mode changes them in place. Read as a matrix
+    (first dimension by the rest), each tensor gives its row sums and column sums, each weighted by its index, so
+    values moved (rows or heads swapped, a permuted checkpoint loaded) change them as values changed do. Two
+    reductions per tensor, two reads of the weights per call (for such models only), and one copy of the sums to
+    the host per device."""
     by_device: dict[torch.device, list] = {}
     for t in tensors:
         if t.is_inference() and not t.is_quantized and not t.is_complex():
-            by_device.setdefault(t.device, []).append(torch.sum(_values_of(t.detach()), dtype=torch.float64))
+            by_device.setdefault(t.device, []).extend(_placed_sums(_values_of(t.detach())))
     return [x for sums in by_device.values() for x in torch.stack(sums).cpu().tolist()]
+
+
+def _placed_sums(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """0-d float64 tensors: the sum of ``t``, and its row and column sums (``t`` read as ``[len(t), -1]``) each
+    weighted by its index."""
+    if t.dim() == 0:
+        return (t.to(torch.float64),)
+    if not t.numel():
+        return ()
+    matrix = t.reshape(t.shape[0], -1)
+
+    def placed(sums: torch.Tensor) -> torch.Tensor:
+        return torch.dot(sums, torch.arange(1, len(sums) + 1, dtype=torch.float64, device=sums.device))
+
+    rows = matrix.sum(1, dtype=torch.float64)
+    return rows.sum(), placed(rows), placed(matrix.sum(0, dtype=torch.float64))
 
 
 def _config_digest(model: torch.nn.Module) -> str:
@@ -1039,6 +1066,35 @@ def _hook_ids(hooks: dict) -> tuple:
     """The ids of the hooks in a module's hook dict, leaving out transformers' own (the output-capturing hooks it
     installs for good on the first forward that asks for hidden states or attentions only record outputs)."""
     return tuple(k for k, fn in hooks.items() if not getattr(fn, "__module__", "").startswith("transformers."))
+
+
+# hooks that see a forward's inputs or outputs only to record them (transformers' output capture), or that act on
+# weights (torch's weight_norm and spectral_norm) or on call arguments (peft's per-call adapter_names): each
+# position of their outputs is what it would be in any other shape of the same prompt
+_SHAPE_BLIND_HOOKS = ("transformers.", "torch.nn.utils.", "peft.")
+
+
+def _hook_origin(fn) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__module__", None) or ""
+
+
+def has_caller_hooks(model: torch.nn.Module) -> bool:
+    """Whether forward hooks or pre-hooks of the caller's run in ``model``'s forward: on its modules, or torch's
+    global module hooks (activation steering, probes, ablations, activation patching). Such a hook may read or
+    write a position by its index in the forward's tensors (``out[:, 0]``, ``out[:, -1]``) or record every
+    position it is shown, so a forward of hooks sees the prompt in stock's shape: whole (no prefix-cache hit) and
+    as the padded rectangle (not packed). Left out: the hooks of :data:`_SHAPE_BLIND_HOOKS`' modules."""
+    from torch.nn.modules import module as nn_module
+
+    def any_of(*dicts) -> bool:
+        return any(not _hook_origin(fn).startswith(_SHAPE_BLIND_HOOKS) for d in dicts for fn in list(d.values()))
+
+    if any_of(nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks):
+        return True
+    return any((m._forward_hooks or m._forward_pre_hooks) and any_of(m._forward_hooks, m._forward_pre_hooks)
+               for m in model.modules())
 
 
 # int (or None) attributes that change what a layer computes, watched though ints are not in general

@@ -536,6 +536,93 @@ def test_changes_outside_the_parameters_are_not_served_stale_prefixes(change):
         astrai_hf.unpatch(model)
 
 
+def _first_position_steer(record):
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(3))
+
+    def hook(module, args, output):  # ActAdd-style: steer the first position of each forward
+        h = output[0] if isinstance(output, tuple) else output
+        h = h.clone()
+        h[:, 0] += steer
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+    return hook
+
+
+def _last_position_steer(record):
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(4))
+
+    def hook(module, args, output):  # steer each row's last prompt position, read as the rectangle's last column
+        h = output[0] if isinstance(output, tuple) else output
+        h = h.clone()
+        h[:, -1] += steer
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+    return hook
+
+
+def _probe(record):
+    def hook(module, args, output):  # record the residual stream of every position a forward is shown
+        record((output[0] if isinstance(output, tuple) else output).detach().clone())
+    return hook
+
+
+def _global_probe(record):
+    probe = _probe(record)
+    return lambda module, args, output: probe(module, args, output) if module is _global_probe.layer else None
+
+
+HOOKS = {"first position steered": _first_position_steer, "last position steered": _last_position_steer,
+         "probe": _probe, "global probe": _global_probe}
+
+
+@pytest.mark.parametrize("kind", list(HOOKS))
+def test_hooks_of_the_callers_see_the_whole_prompt_in_stocks_shape(kind):
+    # a hook may act on a position by its index in the forward, or record every position it is shown: on stock a
+    # fresh call shows it the whole prompt as the padded rectangle, so a patched call must too (no prefix hit for
+    # the hooked call, no packed prefill)
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    _global_probe.layer = layer
+    ids, mask = left_padded_batch([20, 9], seed=2)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+              output_scores=True)
+
+    @contextlib.contextmanager
+    def hooked(records):
+        fn = HOOKS[kind](lambda r: records[-1].append(r))
+        if kind == "global probe":
+            handle = torch.nn.modules.module.register_module_forward_hook(fn)
+        else:
+            handle = layer.register_forward_hook(fn)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    want_records = [[]]
+    with hooked(want_records):
+        want = model.generate(**kw)
+    plain = model.generate(**kw)
+    assert (want.scores[0] - plain.scores[0]).abs().max() > 1e-3 or kind.endswith("probe")
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        records = []
+        with hooked(records):  # one hook over both calls: the first call's K/V are the second's prefix
+            for _ in range(2):
+                records.append([])
+                _assert_same_output(model.generate(**kw), want)
+                assert [r.shape for r in records[-1]] == [r.shape for r in want_records[0]]
+                for got, ref in zip(records[-1], want_records[0]):  # real positions (stock's padding columns see
+                    real = mask[:, -got.shape[1]:].bool()  # padding K/V)
+                    torch.testing.assert_close(got[real], ref[real], rtol=1e-5, atol=1e-5)
+                assert _used(pool) == 0
+        _assert_same_output(model.generate(**kw), plain)  # the hook gone: the prompts are cached anew, and serve
+        hits = pool.stats()["prefix_hit_tokens"]
+        _assert_same_output(model.generate(**kw), plain)
+        assert pool.stats()["prefix_hit_tokens"] > hits
+    finally:
+        astrai_hf.unpatch(model)
+
+
 def test_transformers_own_output_hooks_keep_the_cached_prefixes():
     # the first forward asking for hidden states makes transformers install output-capturing hooks for good;
     # they only record outputs, so they do not make the cached K/V stale
@@ -993,6 +1080,52 @@ def test_weights_loaded_in_place_under_inference_mode_empty_the_prefix_cache():
             assert pool.stats()["prefix_hit_tokens"] == hits
             model.generate(ids, attention_mask=mask, **GREEDY)  # unchanged weights: the prefix cache serves again
             assert pool.stats()["prefix_hit_tokens"] > hits
+
+
+@pytest.mark.parametrize("move", ["rows", "columns", "one pair"])
+def test_values_moved_under_inference_mode_empty_the_prefix_cache(move):
+    # inference tensors keep no version counter; a plain sum of each misses values that only moved (rows or heads
+    # swapped, a permuted checkpoint loaded in place), so the prefix cache served the K/V of the weights before
+    ids, mask = left_padded_batch([20, 12], seed=1)
+    with torch.inference_mode():
+        model, ref = tiny_model("llama"), tiny_model("llama")
+        with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+            pool = astrai_hf.get_pool(model)
+            model.generate(ids, attention_mask=mask, **GREEDY)
+            for m in (model, ref):
+                w = m.model.layers[0].self_attn.q_proj.weight
+                if move == "rows":
+                    w[[0, 5]] = w[[5, 0]].clone()
+                elif move == "columns":
+                    w[:, [0, 5]] = w[:, [5, 0]].clone()
+                else:
+                    w[0, 0], w[5, 3] = w[5, 3].clone(), w[0, 0].clone()
+            want = ref.generate(ids, attention_mask=mask, **GREEDY, return_dict_in_generate=True, output_scores=True)
+            hits = pool.stats()["prefix_hit_tokens"]
+            got = model.generate(ids, attention_mask=mask, **GREEDY, return_dict_in_generate=True, output_scores=True)
+            _assert_same_output(got, want)
+            assert pool.stats()["prefix_hit_tokens"] == hits
+
+
+def test_a_submodule_swapped_for_one_of_the_same_class_empties_the_prefix_cache():
+    # a new instance whose settings are ints or strings (Softplus(beta=8), GELU(approximate="tanh")), which the
+    # settings check leaves out: only its identity tells it apart
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.Softplus(beta=1)
+    ids, mask = left_padded_batch([20, 12], seed=1)
+    kw = dict(attention_mask=mask, **GREEDY, return_dict_in_generate=True, output_scores=True)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        model.generate(ids, **kw)
+        for layer in model.model.layers:
+            layer.mlp.act_fn = torch.nn.Softplus(beta=8)
+        hits = pool.stats()["prefix_hit_tokens"]
+        got = model.generate(ids, **kw)
+        assert pool.stats()["prefix_hit_tokens"] == hits
+        model.generate(ids, **kw)
+        assert pool.stats()["prefix_hit_tokens"] > hits  # unchanged since: the prefix cache serves again
+    _assert_same_output(got, model.generate(ids, **kw))
 
 
 def test_overriding_the_models_cache_implementation_adds_no_generation_argument():
@@ -1777,6 +1910,29 @@ class _Int8Weight(torch.Tensor):
             raise NotImplementedError(f"{cls.__name__} dispatch: {func} is not implemented")
         plain = [a.qdata.to(a.scale.dtype) * a.scale if isinstance(a, cls) else a for a in args]
         return func(*plain, **kwargs)
+
+
+@pytest.mark.parametrize("pool_of", ["patch()", "the caller"])
+def test_the_returned_cache_passed_to_the_model_unpatched_says_it_cannot_continue_there(pool_of):
+    # the with-block ends, and the chat's next turn goes to the same model, now stock: the returned cache holds no
+    # K/V for stock's generate() to continue from, and the error said the model had been deleted
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 4], seed=2)
+    kw = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    settings = dict(max_tokens=512, page_size=4)
+    pool = PagePool.from_model(model, **settings) if pool_of == "the caller" else None
+    with astrai_hf.patched(model, **(dict(pool=pool) if pool is not None else settings)):
+        out = model.generate(ids, attention_mask=mask, **kw)
+    name = astrai_hf.cache_kwarg(model)
+    seq = torch.cat([out.sequences, torch.full((2, 2), 11)], 1)
+    mask2 = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], 1)
+    with pytest.raises((AttributeError, ValueError), match="unpatched"):
+        model.generate(seq, attention_mask=mask2, **kw, **{name: out[name]})
+    fresh = model.generate(seq, attention_mask=mask2, **kw)  # as the error advises: stock's tokens
+    stock = tiny_model("llama")
+    ref = stock.generate(seq, attention_mask=mask2, **kw, **{name: stock.generate(ids, attention_mask=mask, **kw)[name]})
+    assert torch.equal(fresh.sequences, ref.sequences)
+
 
 
 @pytest.mark.parametrize("when", ["before patch", "after patch"])
