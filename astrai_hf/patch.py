@@ -214,14 +214,14 @@ def patch(
 _INSTALL_LOCK = threading.RLock()
 
 # the transformers releases the test suite runs on (README, Supported models and versions); pyproject.toml pins them
-TESTED_TRANSFORMERS = ("5.17", "5.24")
+TESTED_TRANSFORMERS = ("5.17", "5.25")
 
 
 @functools.cache  # (once per process)
 def _warn_untested_transformers() -> None:
     """Log a warning when the installed transformers is not one the suite tests (installed past the pin, say with
-    ``--no-deps``): outputs equal to stock's are checked on the tested releases only (5.25 changes how attention
-    modules read their sliding window, for one)."""
+    ``--no-deps``): outputs equal to stock's are checked on the tested releases only (5.25, for one, wrapped the
+    attention classes' ``__init__`` and routed Falcon's attention anew, both of which astrai-hf reads)."""
     import transformers
     from packaging.version import Version
 
@@ -572,6 +572,9 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
     reason = unsupported_model(model)
     if reason is not None:
         return reason
+    if _alibi(model.config):
+        return ("its config asks for ALiBi, a position bias the model adds to the attention mask (Falcon-RW), which "
+                "paged attention, masking by each row's length, does not apply")
     try:
         spec = KVSpec.from_config(model.config)
     except ValueError as e:
@@ -604,6 +607,12 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
             return (f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing) in a way its config's "
                     "num_kv_shared_layers does not describe")
     return None
+
+
+def _alibi(config) -> bool:
+    """Whether ``config`` (or its MPT-style ``attn_config``) turns ALiBi on."""
+    return any(bool(getattr(c, "alibi", False) if not isinstance(c, dict) else c.get("alibi"))
+               for c in (config, getattr(config, "attn_config", None)) if c is not None)
 
 
 @functools.cache
@@ -1869,6 +1878,30 @@ def _config_windows(modules) -> dict[int, int | None]:
     return windows
 
 
+def _own_init(cls: type):
+    """The ``__init__`` written in the class that defines the nearest one in ``cls``'s MRO. A class decorator may
+    have wrapped it in a function of its own without ``functools.wraps`` (``kernels``' ``use_kernelized_func``,
+    which transformers applies to attention classes where that package is installed, as 5.25 installs it): that
+    wrapper's closure holds the function it calls, its only one."""
+    init = next((vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)), None)
+    for _ in range(8):  # (wrappers of wrappers)
+        init = inspect.unwrap(init) if inspect.isfunction(init) else init
+        if not inspect.isfunction(init) or init.__name__ == "__init__":
+            break
+        inner = [value for value in map(_cell_value, init.__closure__ or ()) if inspect.isfunction(value)]
+        if len(inner) != 1:
+            break
+        init = inner[0]
+    return init
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return None
+
+
 @functools.cache
 def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     """How ``cls`` hands the attention function a window copied from the config in ``__init__``:
@@ -1880,7 +1913,7 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     - ``sliding_window=self.sliding_window if self.<flag> else None``, ``self.<flag>`` set from a
       ``"sliding_attention"`` test: ``(True, flag)``;
     - ``sliding_window=self.sliding_window``, set to the config's value for every layer: ``(False, None)``."""
-    init = next((vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)), None)
+    init = _own_init(cls)
     found = _attention_calls(cls)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(init)))

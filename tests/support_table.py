@@ -20,8 +20,13 @@ NOTES = {
     "gemma2": "alternating sliding/full layers, attention logit softcap",
     "gemma3": "sliding/full layers",
     "gpt_neox": "calls `update()` without kwargs: unpatched, pass the mask to `PagedCache` so padding is not stored",
-    "falcon": "attention bypasses `AttentionInterface`: `patch()` raises `NotImplementedError`",
+    "falcon": "before transformers 5.25 attention bypasses `AttentionInterface`: `patch()` raises "
+              "`NotImplementedError`; from 5.25 patched and tested (ALiBi variants refused on every release)",
 }
+
+
+# families patch() takes from a transformers release on (tested there: test_equivalence.py)
+SINCE = {"falcon": "from 5.25"}
 
 
 def table() -> str:
@@ -36,7 +41,7 @@ def table() -> str:
         model_type = config_cls.model_type
         packed = "yes" if tested and model_type in PACKED_PREFILL else "no (padded rectangle)"
         lines.append(
-            f"| {arch} | `{model_cls.__name__}` | yes | {'yes' if tested else '**no**'} | "
+            f"| {arch} | `{model_cls.__name__}` | yes | {'yes' if tested else SINCE.get(arch, '**no**')} | "
             f"{packed if tested else '-'} | {NOTES.get(arch, 'full attention')} |"
         )
     return "\n".join(lines) + "\n"

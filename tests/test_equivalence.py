@@ -94,7 +94,8 @@ def _count_paged_attention_calls(monkeypatch):
 @pytest.mark.parametrize("layout", ["new decoder architecture", "multi-query (Falcon-7B)"])
 @pytest.mark.parametrize("mode", ["greedy", "beam_search"])
 def test_falcon_unpatched_paged_cache_equals_dynamic_cache(mode, layout):
-    """Falcon cannot be patched (its attention bypasses AttentionInterface), but a PagedCache still serves it. The
+    """Falcon cannot be patched before transformers 5.25 (its attention bypasses AttentionInterface), but a
+    PagedCache still serves it. The
     Falcon-7B layout's config has no num_key_value_heads: its one K/V head is read from multi_query (the pool had
     been sized for one head per query head and refused the model's K/V)."""
     old = dict(new_decoder_architecture=False, multi_query=True, num_kv_heads=None)
@@ -106,3 +107,36 @@ def test_falcon_unpatched_paged_cache_equals_dynamic_cache(mode, layout):
         out = _generate(model, ids, mask, **MODES[mode], **{_cache_kwarg(model): cache})
     assert torch.equal(out, ref)
     assert pool.stats()["num_used_pages"] == 0
+
+
+FALCON_LAYOUTS = {
+    "new decoder architecture": {},
+    "multi-query (Falcon-7B)": dict(new_decoder_architecture=False, multi_query=True, num_kv_heads=None),
+    "multi-head, sequential": dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=4,
+                                   parallel_attn=False, bias=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(FALCON_LAYOUTS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_patched_falcon_equals_stock_where_its_attention_goes_through_the_interface(mode, layout, monkeypatch):
+    # transformers 5.25 routed Falcon's attention through AttentionInterface, so patch() takes it there
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    from astrai_hf.patch import _uses_attention_interface
+
+    if not _uses_attention_interface(FalconAttention):
+        pytest.skip("Falcon's attention bypasses AttentionInterface in this transformers release")
+    model = tiny_model("falcon", **FALCON_LAYOUTS[layout])
+    ids, mask = left_padded_batch([7, 3, 10], seed=1)
+    ref = _generate(model, ids, mask, **MODES[mode])
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    astrai_hf.patch(model, pool=pool)
+    try:
+        calls = _count_paged_attention_calls(monkeypatch)
+        outs = [_generate(model, ids, mask, **MODES[mode]) for _ in range(2)]  # the second from the prefix cache
+        assert calls["n"] > 0, "the patched model did not run paged attention"
+    finally:
+        astrai_hf.unpatch(model)
+    assert all(torch.equal(out, ref) for out in outs)
+    assert pool.stats()["prefix_hit_tokens"] > 0 and pool.stats()["num_used_pages"] == 0

@@ -1299,6 +1299,31 @@ def test_a_window_copied_by_the_attention_modules_follows_a_config_edited_since(
     assert torch.equal(out, ref) and torch.equal(mine, ref)
 
 
+def test_a_window_copied_by_an_init_a_class_decorator_wrapped_follows_a_config_edited_since():
+    # with the kernels package installed (transformers 5.25 installs it), use_kernelized_func wraps the attention
+    # class's __init__ in a function of its own (no functools.wraps): the window copied in the __init__ it calls
+    # was not found, and an edited config.sliding_window gave other tokens than stock
+    model = _window_model("qwen2")
+    attention = type(model.model.layers[0].self_attn)
+    own_init = attention.__init__
+
+    def new_init(self, *args, **kwargs):
+        own_init(self, *args, **kwargs)
+        self.__dict__.setdefault("_kernel_funcs", {})
+
+    wrapped = type(attention.__name__, (attention,), {"__init__": new_init, "__module__": attention.__module__})
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = wrapped
+    ids, mask = left_padded_batch([20, 35, 18], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    before = model.generate(ids, **kw)
+    model.config.sliding_window = 2
+    ref = model.generate(ids, **kw)
+    assert not torch.equal(ref, before)
+    with astrai_hf.patched(model, max_tokens=4096, page_size=4):
+        assert torch.equal(model.generate(ids, **kw), ref)
+
+
 def test_a_rope_switched_to_dynamic_after_patch_is_not_chunked():
     def dynamic(m):
         m.config.rope_parameters = {**m.config.rope_parameters, "rope_type": "dynamic", "factor": 8.0}

@@ -70,7 +70,7 @@ def test_run_command_in_a_fresh_process(script):
 
 
 def test_autopatch_leaves_unpatchable_models_alone(caplog):
-    model = tiny_model("falcon")
+    model = tiny_model("falcon", new_decoder_architecture=False, multi_query=False, num_kv_heads=4, alibi=True)
     ids, mask = left_padded_batch([4, 6], seed=2)
     ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
     autopatch.install()
