@@ -1854,9 +1854,9 @@ def _config_windows(modules) -> dict[int, int | None]:
     ``id(module)``: the window stock sdpa and eager attention apply through the mask the model's forward builds
     from ``config.sliding_window`` (for the layers ``config.layer_types`` names ``sliding_attention``, or for every
     layer in a config without layer types), where the module hands the attention function a window its
-    ``__init__`` copied from the config (Qwen2, Gemma 2 and 3, EXAONE 4, Qwen3-MoE and their kin) and the config
-    was edited since, or the attribute was set by hand. Modules that read the config at each forward (Mistral)
-    are never listed."""
+    ``__init__`` copied from the config (Qwen2, Gemma 2 and 3, EXAONE 4, Qwen3-MoE, AFMoE, Laguna and their kin)
+    and the config was edited since, or the attribute was set by hand. Modules that read the config at each
+    forward (Mistral) are never listed."""
     windows = {}
     for m in modules:
         copied = _window_copied_from_config(type(m))
@@ -1909,7 +1909,7 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     unknown). ``__init__`` sets ``self.sliding_window`` once, from ``config.sliding_window``, and the forward passes
 
     - ``sliding_window=self.sliding_window``, set ``config.sliding_window if <"sliding_attention" layer> else
-      None``: ``(True, None)``;
+      None``, the test written there or as a flag set from it (AFMoE, Laguna): ``(True, None)``;
     - ``sliding_window=self.sliding_window if self.<flag> else None``, ``self.<flag>`` set from a
       ``"sliding_attention"`` test: ``(True, flag)``;
     - ``sliding_window=self.sliding_window``, set to the config's value for every layer: ``(False, None)``."""
@@ -1955,13 +1955,17 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     if len(args) != len(calls) or len({ast.dump(a) for a in args}) != 1:
         return None  # a call without the keyword, or calls that pass different windows
     arg = args[0]
+
+    def sliding_flag(node) -> bool:  # self.<flag>, set once from a "sliding_attention" test
+        flag = self_attr(node)
+        return flag is not None and len(assigned.get(flag, [])) == 1 and sliding_test(assigned[flag][0])
+
     if self_attr(arg, "sliding_window"):
-        if if_else_none(value) and config_window(value.body) and sliding_test(value.test):
+        if if_else_none(value) and config_window(value.body) and (sliding_test(value.test) or sliding_flag(value.test)):
             return True, None
         return (False, None) if config_window(value) else None
-    if (if_else_none(arg) and self_attr(arg.body, "sliding_window") and (flag := self_attr(arg.test))
-            and config_window(value) and len(assigned.get(flag, [])) == 1 and sliding_test(assigned[flag][0])):
-        return True, flag
+    if if_else_none(arg) and self_attr(arg.body, "sliding_window") and sliding_flag(arg.test) and config_window(value):
+        return True, self_attr(arg.test)
     return None
 
 

@@ -46,13 +46,7 @@ def test_patched_generate_equals_stock(model, mode, monkeypatch):
     ids, mask = left_padded_batch([7, 3, 10], seed=1)
     ref = _generate(model, ids, mask, **MODES[mode])
     pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
-    astrai_hf.patch(model, pool=pool)
-    try:
-        calls = _count_paged_attention_calls(monkeypatch)
-        out = _generate(model, ids, mask, **MODES[mode])
-        assert calls["n"] > 0, "the patched model did not run paged attention"
-    finally:
-        astrai_hf.unpatch(model)
+    (out,) = _patched_calls(model, pool, monkeypatch, lambda: _generate(model, ids, mask, **MODES[mode]))
     assert torch.equal(out, ref)
     assert pool.stats()["num_used_pages"] == 0
 
@@ -74,6 +68,19 @@ def test_prompt_lookup_decoding(model):
         astrai_hf.unpatch(model)
     assert torch.equal(out, ref)
     assert pool.stats()["num_used_pages"] == 0
+
+
+def _patched_calls(model, pool, monkeypatch, call, calls: int = 1) -> list:
+    """The outputs of ``call()`` run ``calls`` times with ``model`` patched onto ``pool``, each through paged
+    attention."""
+    astrai_hf.patch(model, pool=pool)
+    try:
+        counted = _count_paged_attention_calls(monkeypatch)
+        outs = [call() for _ in range(calls)]
+        assert counted["n"] > 0, "the patched model did not run paged attention"
+    finally:
+        astrai_hf.unpatch(model)
+    return outs
 
 
 def _count_paged_attention_calls(monkeypatch):
@@ -131,12 +138,7 @@ def test_patched_falcon_equals_stock_where_its_attention_goes_through_the_interf
     ids, mask = left_padded_batch([7, 3, 10], seed=1)
     ref = _generate(model, ids, mask, **MODES[mode])
     pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
-    astrai_hf.patch(model, pool=pool)
-    try:
-        calls = _count_paged_attention_calls(monkeypatch)
-        outs = [_generate(model, ids, mask, **MODES[mode]) for _ in range(2)]  # the second from the prefix cache
-        assert calls["n"] > 0, "the patched model did not run paged attention"
-    finally:
-        astrai_hf.unpatch(model)
+    # the second call from the prefix cache
+    outs = _patched_calls(model, pool, monkeypatch, lambda: _generate(model, ids, mask, **MODES[mode]), calls=2)
     assert all(torch.equal(out, ref) for out in outs)
     assert pool.stats()["prefix_hit_tokens"] > 0 and pool.stats()["num_used_pages"] == 0

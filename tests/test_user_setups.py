@@ -1252,6 +1252,13 @@ def _window_model(arch):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
             num_key_value_heads=2, head_dim=16, use_sliding_window=True, sliding_window=5, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=32)),
+        # the window set from a flag the "sliding_attention" test set (self.is_local_attention)
+        "afmoe": (transformers.AfmoeConfig, transformers.AfmoeForCausalLM, dict(
+            num_key_value_heads=2, head_dim=16, sliding_window=5, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"])),
+        "laguna": (transformers.LagunaConfig, transformers.LagunaForCausalLM, dict(
+            num_key_value_heads=2, head_dim=16, sliding_window=5, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"])),
     }
     if arch not in extra:
         return tiny_model(arch)
@@ -1266,7 +1273,7 @@ def _window_model(arch):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3", "exaone4", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3", "exaone4", "qwen3_moe", "afmoe", "laguna"])
 @pytest.mark.parametrize("edit", [
     lambda m: setattr(m.config, "sliding_window", 2), lambda m: setattr(m.config, "sliding_window", 12),
     _all_full, _window_set_on_modules,
