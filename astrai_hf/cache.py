@@ -262,6 +262,7 @@ class PagedCache(Cache):
         prefix_cache: bool = True,
         reserve_new_tokens: int = 0,
         model: torch.nn.Module | None = None,
+        _held_columns: int = 0,
     ):
         # Cache.__init__ is not called: it requires per-layer objects, and this cache keeps none.
         if not isinstance(pool, PagePool):
@@ -327,10 +328,9 @@ class PagedCache(Cache):
             # an id outside the vocabulary (masked padding too): stock's forward of the prompt fails on it; a hit
             # would leave those columns unfed. A RoPE whose frequencies follow the forward's length rotated a cached
             # prefix for another forward than the one stock runs over the whole prompt; an activated LoRA adapts the
-            # tokens after the prompt's last invocation sequence, a position each prompt sets anew. Hooks of the
-            # caller's see the whole prompt in stock, and may act on a position by its index in the forward.
-            if rope_depends_on_length(target) or pool.rope_by_length or (target is not None and (
-                    peft_adapters_by_row(target) is not None or has_caller_hooks(target))):
+            # tokens after the prompt's last invocation sequence, a position each prompt sets anew.
+            if rope_depends_on_length(target) or pool.rope_by_length or (
+                    target is not None and peft_adapters_by_row(target) is not None):
                 prefix_cache = self._rows.insert_on_release = self._wants_prefix_cache = False
             elif ids_outside_vocabulary(target, input_ids):
                 prefix_cache = self._rows.insert_on_release = False
@@ -340,7 +340,12 @@ class PagedCache(Cache):
             if target is not None:
                 pool.check_weights(target)  # another model's K/V, or weights changed in place: no stale hits
                 self.checked_model = id(target)
-            self._match_prefix(pads, L)
+            # hooks of the caller's see, in stock, the whole prompt of a fresh call, and the columns after those of
+            # the cache an earlier call returned (_held_columns, a patched generate() says): they may act on a
+            # position by its index in the forward, or record every position they are shown
+            limit = _held_columns if target is not None and has_caller_hooks(target) else None
+            if limit != 0:
+                self._match_prefix(pads, L, limit)
             if target is not None and self.prefilled_from_prefix_cache and PATCH_STATE_ATTR not in vars(target):
                 # a model used without patch(): nothing sees the call start, so the cache drops them now (a
                 # patched generate() drops them when the call that uses the cache starts)
@@ -498,12 +503,12 @@ class PagedCache(Cache):
         return f"PagedCache(rows={len(self._rows.req_rows)}, seq_lens={self.seq_lens}, logical_len={self.logical_len})"
 
     # ------------------------------------------------------------------ prefix cache
-    def _match_prefix(self, pads: list[int], width: int) -> None:
+    def _match_prefix(self, pads: list[int], width: int, limit: int | None = None) -> None:
         """Start pre-filled with the longest prefix all rows have in the pool's prefix cache.
 
         ``generate()`` reads one cached length for the whole left-padded batch, so row ``r`` reuses
         ``P - pads[r]`` tokens where ``P = min_r(pads[r] + hit[r])``, capped at ``width - 1`` so that the last
-        prompt column is computed and yields logits. A partly used page is shared until the row writes into it,
+        prompt column is computed and yields logits, and at ``limit`` columns where given. A partly used page is shared until the row writes into it,
         then copied (copy-on-write).
         """
         pool, ps = self.pool, self.pool.page_size
@@ -511,7 +516,7 @@ class PagedCache(Cache):
         with pool.books():  # (another thread's allocation must not evict the matched pages before they are held)
             pool.make_room_for_rows(len(pads))  # (before the match: a garbage cache released adds to the prefixes)
             hits = [pool.prefix_cache.match(ids) for ids in self._prompt_ids]
-            logical = min(min(p + n for p, (_, n) in zip(pads, hits)), width - 1)
+            logical = min(min(p + n for p, (_, n) in zip(pads, hits)), width - 1, width if limit is None else limit)
             use = [max(0, logical - p) for p in pads]
             pool.counters["prefix_query_tokens"] += sum(len(ids) for ids in self._prompt_ids)
             self.prefix_hit_tokens = use
@@ -757,7 +762,10 @@ class PagedCache(Cache):
             if B % held:
                 raise ValueError(f"the cache holds {held} rows but the input has {B}")
             group = B // held
-            if not (paged and _grouped(input_ids, group) and _grouped(attention_mask, group)):
+            # (identical rows computed once; a hook of the caller's may treat them apart, a steering strength per
+            # sample, and is shown each)
+            if not (paged and _grouped(input_ids, group) and _grouped(attention_mask, group)) or (
+                    self.pool.model is not None and has_caller_hooks(self.pool.model)):
                 self.batch_repeat_interleave(group)
                 group = 1
         Bp = B // group  # rows planned (and stored); with group > 1 each is shared by `group` input rows

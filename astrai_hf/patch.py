@@ -1423,7 +1423,7 @@ def _wrap_generate(owner, generate, state: PatchState):
             # the cache checks the pool against the model before it looks the prompt up (another model's K/V, or
             # weights changed in place: no stale prefix hits), else the first forward does
             cache = _cache_for(pool, model, args, kwargs, config, state.rope_by_length, state.embeds_token_types,
-                               by_row)
+                               by_row, returned.returned_len if returned is not None else 0)
         except Exception as e:
             failed = e
         try:
@@ -2103,9 +2103,10 @@ def _cache_implementation(kwargs: dict, passed, default) -> str | None:
 
 
 def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by_length: bool = False,
-               embeds_token_types: bool = True, by_row: bool | None = None) -> PagedCache:
+               embeds_token_types: bool = True, by_row: bool | None = None, held_columns: int = 0) -> PagedCache:
     """The PagedCache a patched ``generate()`` runs on: the prompt's length checked, its padding and prefix
-    found (``by_row``: as for :func:`_skips_prefix_cache`)."""
+    found (``by_row``: as for :func:`_skips_prefix_cache`; ``held_columns``: those of the cache an earlier call
+    returned, which this call continues)."""
     input_ids = _call_input_ids(args, kwargs)
     attention_mask = kwargs.get("attention_mask")
     new_tokens = 0
@@ -2137,7 +2138,8 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     plain = not _skips_prefix_cache(pool, model, kwargs, config, rope_by_length, embeds_token_types, by_row)
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place); a
     # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
-    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model)
+    cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model,
+                       _held_columns=held_columns)
     # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
     # unpatched model does (paged attention returns no weights)
     cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))

@@ -1063,15 +1063,20 @@ def _config_digest(model: torch.nn.Module) -> str:
 
 
 def _hook_ids(hooks: dict) -> tuple:
-    """The ids of the hooks in a module's hook dict, leaving out transformers' own (the output-capturing hooks it
-    installs for good on the first forward that asks for hidden states or attentions only record outputs)."""
-    return tuple(k for k, fn in hooks.items() if not getattr(fn, "__module__", "").startswith("transformers."))
+    """The ids of the hooks in a module's hook dict that change what the model computes, leaving out
+    :data:`_RECORDING_HOOKS` (transformers installs its output-capturing hooks for good on the first forward that
+    asks for hidden states or attentions) and peft's (they hand one call's per-row arguments on: calls with
+    those skip the prefix cache)."""
+    return tuple(k for k, fn in hooks.items() if not _hook_origin(fn).startswith((*_RECORDING_HOOKS, "peft.")))
 
 
-# hooks that see a forward's inputs or outputs only to record them (transformers' output capture), or that act on
-# weights (torch's weight_norm and spectral_norm) or on call arguments (peft's per-call adapter_names): each
-# position of their outputs is what it would be in any other shape of the same prompt
-_SHAPE_BLIND_HOOKS = ("transformers.", "torch.nn.utils.", "peft.")
+# hooks that see a forward's inputs or outputs only to record them, or to mark them as needing gradients
+# (transformers' output capture, enable_input_require_grads, its underflow/overflow debugger), or that act on
+# weights (torch's weight_norm and spectral_norm): each position of a forward's outputs is what it would be in
+# any other shape of the same prompt. Others (NEFTune's noise scaled by the forward's length, peft's per-row
+# task_ids and adapter_names) are shown the prompt as stock shows it.
+_RECORDING_HOOKS = ("transformers.utils.output_capturing", "transformers.modeling_utils", "transformers.debug_utils",
+                    "torch.nn.utils.")
 
 
 def _hook_origin(fn) -> str:
@@ -1083,13 +1088,15 @@ def _hook_origin(fn) -> str:
 def has_caller_hooks(model: torch.nn.Module) -> bool:
     """Whether forward hooks or pre-hooks of the caller's run in ``model``'s forward: on its modules, or torch's
     global module hooks (activation steering, probes, ablations, activation patching). Such a hook may read or
-    write a position by its index in the forward's tensors (``out[:, 0]``, ``out[:, -1]``) or record every
-    position it is shown, so a forward of hooks sees the prompt in stock's shape: whole (no prefix-cache hit) and
-    as the padded rectangle (not packed). Left out: the hooks of :data:`_SHAPE_BLIND_HOOKS`' modules."""
+    write a position or a row by its index in the forward's tensors (``out[:, 0]``, ``out[:, -1]``, a strength
+    per sample) or record every position it is shown, so a forward of hooks sees the prompt in stock's shape:
+    whole (no prefix-cache hit beyond the columns of a cache an earlier call returned), as the padded rectangle
+    (not packed), each row computed (samples and beams of one prompt too). Left out: the hooks of
+    :data:`_RECORDING_HOOKS`' modules."""
     from torch.nn.modules import module as nn_module
 
     def any_of(*dicts) -> bool:
-        return any(not _hook_origin(fn).startswith(_SHAPE_BLIND_HOOKS) for d in dicts for fn in list(d.values()))
+        return any(not _hook_origin(fn).startswith(_RECORDING_HOOKS) for d in dicts for fn in list(d.values()))
 
     if any_of(nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks):
         return True

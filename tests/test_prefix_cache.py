@@ -279,12 +279,13 @@ def test_num_return_sequences_store_the_prompt_once(llama):
     ref = llama.generate(ids, attention_mask=mask, **kwargs)
     pool = _pool(llama)
     peak = []
-    hook = llama.register_forward_hook(lambda *_: peak.append(pool.stats()["num_used_pages"]))
-    try:
-        torch.manual_seed(0)
-        out = _generate(llama, pool, ids, mask, **kwargs)
-    finally:
-        hook.remove()
+
+    def record_peak(input_ids, scores):  # after each forward (a forward hook would have each row computed)
+        peak.append(pool.stats()["num_used_pages"])
+        return scores
+
+    torch.manual_seed(0)
+    out = _generate(llama, pool, ids, mask, logits_processor=[record_peak], **kwargs)
     assert torch.equal(out, ref)
     prompt_pages = -(-1000 // PAGE)
     # one copy of the prompt; each row copies only the partly filled tail page on its first write

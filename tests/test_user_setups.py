@@ -623,6 +623,124 @@ def test_hooks_of_the_callers_see_the_whole_prompt_in_stocks_shape(kind):
         astrai_hf.unpatch(model)
 
 
+def test_a_hooked_chat_continued_on_the_returned_cache_shows_the_hook_stocks_columns():
+    # stock's returned cache holds the first turn's K/V (its decode steps steered too), so the next turn's hook is
+    # shown only the columns after them; the rule that keeps hooked calls off the prefix cache recomputed them all
+    model = tiny_model("llama")
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 3
+    ids, mask = left_padded_batch([16, 9], seed=2)
+    more = torch.tensor([[11, 12, 13], [14, 15, 16]])
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    name = astrai_hf.cache_kwarg(model)
+
+    def chat():
+        shapes = []
+
+        def hook(module, args, output):
+            h = (output[0] if isinstance(output, tuple) else output).clone()
+            shapes.append(tuple(h.shape))
+            h[:, 0] += steer
+            return (h, *output[1:]) if isinstance(output, tuple) else h
+
+        handle = model.model.layers[0].register_forward_hook(hook)
+        try:
+            first = model.generate(ids, attention_mask=mask, **kw)
+            seq = torch.cat([first.sequences, more], 1)
+            mask2 = torch.cat([mask, torch.ones(2, seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+            n = len(shapes)
+            second = model.generate(seq, attention_mask=mask2, **kw, **{name: first[name]})
+        finally:
+            handle.remove()
+        return first, second, shapes[n:]
+
+    want = chat()
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        got = chat()
+        assert _used(astrai_hf.get_pool(model)) == 0
+    _assert_same_output(got[0], want[0])
+    _assert_same_output(got[1], want[1])
+    assert got[2] == want[2] and want[2][0][1] == 4  # the first forward of turn 2: the 4 columns after stock's
+
+
+@pytest.mark.parametrize("mode", ["num_return_sequences", "beams"])
+def test_a_hook_that_treats_the_samples_of_a_prompt_apart_gets_each_computed(mode):
+    # a steering strength per sample (or beam) of one prompt: identical rows were computed once, and the hook's
+    # work on the others thrown away
+    model = tiny_model("llama")
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(3))
+
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        h = h + torch.arange(h.shape[0], dtype=h.dtype)[:, None, None] * steer
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    ids, mask = left_padded_batch([12, 7], seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
+              **(dict(do_sample=True, num_return_sequences=3) if mode == "num_return_sequences" else
+                 dict(do_sample=False, num_beams=2, num_return_sequences=2)))
+
+    def run():
+        handle = model.model.layers[0].register_forward_hook(hook)
+        try:
+            torch.manual_seed(0)
+            return model.generate(ids, **kw)
+        finally:
+            handle.remove()
+
+    want = run()
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        got = run()
+        assert _used(astrai_hf.get_pool(model)) == 0
+    _assert_same_output(got, want)
+
+
+def test_neftune_noise_in_training_mode_is_added_as_stock_adds_it_and_never_served_later():
+    # transformers' NEFTune hook scales its noise by the forward's length: it counts as a hook of the caller's
+    from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([16, 10], seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+              output_scores=True)
+
+    def run():
+        handle = activate_neftune(model, 50.0)
+        try:
+            model.train()
+            torch.manual_seed(0)
+            noisy = model.generate(ids, **kw)
+            model.eval()
+            plain = model.generate(ids, **kw)
+        finally:
+            deactivate_neftune(model, handle)
+            model.eval()
+        return noisy, plain, model.generate(ids, **kw)
+
+    want = run()
+    assert (want[0].scores[0] - want[1].scores[0]).abs().max() > 1e-3  # the noise matters
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        got = run()
+        assert _used(astrai_hf.get_pool(model)) == 0
+    for a, b in zip(got, want):
+        _assert_same_output(a, b)
+
+
+def test_peft_poly_task_ids_per_row_through_a_patched_base_model():
+    # peft's pre-hooks hand each row its task id; packed, the two rows were one and the LoRA mix failed
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.PolyConfig(task_type="CAUSAL_LM", r=4, n_tasks=3, n_skills=2, n_splits=1,
+                             target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(tiny_model("llama"), config).eval()
+    ids, mask = left_padded_batch([12, 7], seed=2)
+    kw = dict(attention_mask=mask, task_ids=torch.tensor([0, 1]), max_new_tokens=4, do_sample=False)
+    want = model.generate(input_ids=ids, **kw)
+    base = model.base_model.model
+    with astrai_hf.patched(base, max_tokens=1024, page_size=4):
+        assert torch.equal(model.generate(input_ids=ids, **kw), want)
+        assert _used(astrai_hf.get_pool(base)) == 0
+
+
 def test_transformers_own_output_hooks_keep_the_cached_prefixes():
     # the first forward asking for hidden states makes transformers install output-capturing hooks for good;
     # they only record outputs, so they do not make the cached K/V stale
