@@ -150,8 +150,10 @@ def measure_n_samples(model, tokenizer, n: int = 8, prompt_tokens: int = 1000, n
     patch(model, pool=pool)
     peak = [0]
 
-    def record_peak(input_ids, scores):  # after each forward (a logits processor: a forward hook would make the
-        peak[0] = max(peak[0], pool.stats()["kv_bytes_used"])  # call run as hooks need, see has_caller_hooks)
+    def record_peak(input_ids, scores):
+        # a logits processor runs after each forward; a forward hook would have the call run as hooks need
+        # (pool.has_caller_hooks: every row computed, no packing)
+        peak[0] = max(peak[0], pool.stats()["kv_bytes_used"])
         return scores
 
     try:

@@ -508,8 +508,8 @@ class PagedCache(Cache):
 
         ``generate()`` reads one cached length for the whole left-padded batch, so row ``r`` reuses
         ``P - pads[r]`` tokens where ``P = min_r(pads[r] + hit[r])``, capped at ``width - 1`` so that the last
-        prompt column is computed and yields logits, and at ``limit`` columns where given. A partly used page is shared until the row writes into it,
-        then copied (copy-on-write).
+        prompt column is computed and yields logits, and at ``limit`` columns where given. A partly used page is
+        shared until the row writes into it, then copied (copy-on-write).
         """
         pool, ps = self.pool, self.pool.page_size
         rows = self._rows

@@ -1032,18 +1032,16 @@ def _inference_sums(tensors: list[torch.Tensor]) -> list[float]:
     the host per device."""
     by_device: dict[torch.device, list] = {}
     for t in tensors:
-        if t.is_inference() and not t.is_quantized and not t.is_complex():
+        if t.is_inference() and not t.is_quantized and not t.is_complex() and t.numel():
             by_device.setdefault(t.device, []).extend(_placed_sums(_values_of(t.detach())))
     return [x for sums in by_device.values() for x in torch.stack(sums).cpu().tolist()]
 
 
 def _placed_sums(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """0-d float64 tensors: the sum of ``t``, and its row and column sums (``t`` read as ``[len(t), -1]``) each
-    weighted by its index."""
+    """0-d float64 tensors: the sum of ``t`` (not empty), and its row and column sums (``t`` read as
+    ``[len(t), -1]``) each weighted by its index."""
     if t.dim() == 0:
         return (t.to(torch.float64),)
-    if not t.numel():
-        return ()
     matrix = t.reshape(t.shape[0], -1)
 
     def placed(sums: torch.Tensor) -> torch.Tensor:
