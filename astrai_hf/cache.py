@@ -597,12 +597,16 @@ class PagedCache(Cache):
             given_positions = position_ids
         if (not self._first_step_planned and self.logical_len
                 and self._refeeds_prompt(q_len, input_ids, given_positions, attention_mask)):
+            # (assisted and prompt-lookup generate() on an unpatched model feed the whole prompt themselves)
+            unpatched = "" if paged else (
+                "; assisted and prompt-lookup generate() on an unpatched model feed the whole prompt whatever the "
+                "cache holds: for them, build the cache with prefix_cache=False, or patch the model")
             raise ValueError(
                 f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {q_len} columns from the "
                 f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
                 "input_ids[:, cache.get_seq_length():], as generate() does, or build the cache with prefix_cache=False "
                 "(for new columns that repeat the prompt's tokens, pass an attention_mask over every column or their "
-                "position_ids)"
+                f"position_ids){unpatched}"
             )
         if self.prefilled_from_prefix_cache and not self.made_by_generate:
             self._check_prefilled_positions(q_len, given_positions, paged)

@@ -1078,6 +1078,23 @@ def test_wrong_positions_in_one_row_of_a_pre_filled_cache_are_named_as_such(llam
 
 
 @torch.no_grad()
+def test_prompt_lookup_again_on_an_unpatched_model_says_what_to_do():
+    # the first call's cache fills the prefix cache; the second call's cache starts pre-filled, and prompt lookup
+    # feeds the whole prompt again: the error told the caller to slice the prompt "as generate() does"
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7], seed=1)
+    pool = PagePool.from_model(model, max_tokens=2048)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+    with PagedCache(pool, ids, mask) as cache:
+        assert cache.get_seq_length() == 0
+        model.generate(ids, **kw, **{_kw(model): cache})
+    with PagedCache(pool, ids, mask) as cache:
+        assert cache.get_seq_length() > 0
+        with pytest.raises(ValueError, match="prompt-lookup generate.. on an unpatched model feed the whole prompt"):
+            model.generate(ids, **kw, **{_kw(model): cache})
+    _assert_pool_idle(pool)
+
+
 def test_prompt_lookup_on_an_unpatched_model_with_a_pre_filled_cache_says_what_to_do(llama):
     # its first forward feeds the prompt (and candidates) from column 0 whatever the cache holds; the check of
     # positions had named left padding and position_ids, which do not apply
