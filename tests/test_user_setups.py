@@ -367,12 +367,22 @@ def test_weights_replaced_or_changed_drop_the_cached_prefixes(change, tmp_path):
         astrai_hf.unpatch(model)
 
 
+def _hidden(output) -> torch.Tensor:
+    """The hidden states a decoder layer's forward returned (a tuple's first item before transformers 5.25)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_hidden(output, hidden: torch.Tensor):
+    """A decoder layer's ``output`` with ``hidden`` in place of its hidden states, in the same form."""
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
 @contextlib.contextmanager
 def _steered(model, global_hook=False):
     steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 0.5
 
     def add(module, args, output):  # activation steering: shift the residual stream after layer 0
-        return (output[0] + steer, *output[1:]) if isinstance(output, tuple) else output + steer
+        return _with_hidden(output, _hidden(output) + steer)
 
     layer = model.model.layers[0]
     if global_hook:
@@ -540,10 +550,9 @@ def _first_position_steer(record):
     steer = torch.randn(64, generator=torch.Generator().manual_seed(3))
 
     def hook(module, args, output):  # ActAdd-style: steer the first position of each forward
-        h = output[0] if isinstance(output, tuple) else output
-        h = h.clone()
+        h = _hidden(output).clone()
         h[:, 0] += steer
-        return (h, *output[1:]) if isinstance(output, tuple) else h
+        return _with_hidden(output, h)
     return hook
 
 
@@ -551,16 +560,15 @@ def _last_position_steer(record):
     steer = torch.randn(64, generator=torch.Generator().manual_seed(4))
 
     def hook(module, args, output):  # steer each row's last prompt position, read as the rectangle's last column
-        h = output[0] if isinstance(output, tuple) else output
-        h = h.clone()
+        h = _hidden(output).clone()
         h[:, -1] += steer
-        return (h, *output[1:]) if isinstance(output, tuple) else h
+        return _with_hidden(output, h)
     return hook
 
 
 def _probe(record):
     def hook(module, args, output):  # record the residual stream of every position a forward is shown
-        record((output[0] if isinstance(output, tuple) else output).detach().clone())
+        record(_hidden(output).detach().clone())
     return hook
 
 
@@ -637,10 +645,10 @@ def test_a_hooked_chat_continued_on_the_returned_cache_shows_the_hook_stocks_col
         shapes = []
 
         def hook(module, args, output):
-            h = (output[0] if isinstance(output, tuple) else output).clone()
+            h = _hidden(output).clone()
             shapes.append(tuple(h.shape))
             h[:, 0] += steer
-            return (h, *output[1:]) if isinstance(output, tuple) else h
+            return _with_hidden(output, h)
 
         handle = model.model.layers[0].register_forward_hook(hook)
         try:
@@ -670,9 +678,8 @@ def test_a_hook_that_treats_the_samples_of_a_prompt_apart_gets_each_computed(mod
     steer = torch.randn(64, generator=torch.Generator().manual_seed(3))
 
     def hook(module, args, output):
-        h = output[0] if isinstance(output, tuple) else output
-        h = h + torch.arange(h.shape[0], dtype=h.dtype)[:, None, None] * steer
-        return (h, *output[1:]) if isinstance(output, tuple) else h
+        h = _hidden(output)
+        return _with_hidden(output, h + torch.arange(h.shape[0], dtype=h.dtype)[:, None, None] * steer)
 
     ids, mask = left_padded_batch([12, 7], seed=2)
     kw = dict(attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
