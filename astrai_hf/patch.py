@@ -1035,6 +1035,9 @@ def _wrap_forward(owner, forward, state: PatchState):
             # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
             # (paged attention reads the pool, which is outside autograd)
             return forward(*args, **kwargs)
+        if _other_forward_inputs(kwargs):
+            # images, audio or their features: K/V of placeholder ids that the prefix cache cannot tell apart
+            cache._rows.reusable = False
         B, q = inputs.shape[:2]
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         own_loop = not cache.made_by_generate and not state.generating  # a forward of the caller's own
@@ -1988,16 +1991,61 @@ _TEXT_INPUTS = ("inputs", "input_ids", "attention_mask", "position_ids", "inputs
 
 
 def _other_inputs(kwargs: dict) -> list[str]:
-    """Names of the tensor inputs of a ``generate()`` call beyond text (``pixel_values``, ``input_features``, ...,
-    and token types that mark image spans)."""
+    """Names of the inputs of a ``generate()`` call beyond text: tensors (``pixel_values``, ``input_features``, ...,
+    and token types that mark image spans), and containers of tensors that are neither ``generate()`` parameters
+    nor generation settings (``mm_encoder_outputs={"image": features}``, image features computed beforehand)."""
     names = []
     for name, value in kwargs.items():
-        if name in _TEXT_INPUTS or not isinstance(value, torch.Tensor):
+        if name in _TEXT_INPUTS:
             continue
-        if name in _TOKEN_TYPES and not bool(value.any()):
-            continue  # all text
+        if isinstance(value, torch.Tensor):
+            if name in _TOKEN_TYPES and not bool(value.any()):
+                continue  # all text
+        elif name in _generate_settings() or not _holds_tensor(value):
+            continue
         names.append(name)
     return sorted(names)
+
+
+# what a forward of a text model is fed besides text and the cache: neither changes the K/V of a token id
+_TEXT_FORWARD_INPUTS = frozenset({*_TEXT_INPUTS, "cache_position", "labels", "logits_to_keep", "num_logits_to_keep"})
+
+
+def _other_forward_inputs(kwargs: dict) -> list[str]:
+    """:func:`_other_inputs` of a forward's keyword arguments: tensors and containers of tensors a text model is
+    not fed (``pixel_values``, image features, ...; token types marking image spans)."""
+    names = []
+    for name, value in kwargs.items():
+        if name in _TEXT_FORWARD_INPUTS or not _holds_tensor(value):
+            continue
+        if name in _TOKEN_TYPES and isinstance(value, torch.Tensor) and not bool(value.any()):
+            continue
+        names.append(name)
+    return sorted(names)
+
+
+def _holds_tensor(value, depth: int = 4) -> bool:
+    """Whether ``value`` is a tensor, or a dict, list or tuple (a ``ModelOutput`` too) holding one within ``depth``
+    levels. A Cache holds tensors but is none of those."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(_holds_tensor(v, depth - 1) for v in value)
+
+
+@functools.cache
+def _generate_settings() -> frozenset[str]:
+    """The names ``generate()`` takes as its own parameters or as generation settings (model inputs aside): the
+    logits processors, stopping criteria and caches passed to it hold tensors that no forward is fed."""
+    from transformers import GenerationConfig, GenerationMixin
+
+    params = inspect.signature(GenerationMixin.generate).parameters
+    return frozenset({*params, *vars(GenerationConfig()), "past_key_values", "cache"}) - set(_TEXT_INPUTS)
 
 
 def _passed_generation_config(args: tuple, kwargs: dict):
@@ -2176,6 +2224,8 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # a decoding loop of the caller's (custom_generate) may feed the whole prompt to the cache it is handed, which
     # on stock is always empty
     custom_loop = kwargs.get("custom_generate") is not None
+    # images, audio, video (or their features) enter through placeholder ids the prefix cache cannot tell apart
+    custom_inputs = custom_inputs or bool(_other_inputs(kwargs))
     return bool(candidates or custom_inputs or adapters or autocast or rope_by_length or dropout or custom_loop
                 or _prefill_from_first_column(kwargs, config)
                 or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))

@@ -3,6 +3,7 @@ types, and image prompts. Each equals stock transformers; none is served K/V key
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -145,6 +146,67 @@ def test_image_prompts_repeated_and_changed_equal_stock():
     assert pool.stats()["prefix_hit_tokens"] == 0 and pool.stats()["num_cached_pages"] > 0
     assert pool.stats()["num_used_pages"] == 0
     assert torch.equal(paged_text, astrai_hf.unpatch(model).generate(**text))
+
+
+def _image_features(model, image):
+    with torch.no_grad():
+        try:
+            return model.get_image_features(pixel_values=image, return_dict=True)
+        except TypeError:
+            pytest.skip("get_image_features() takes return_dict from transformers 5.24 on")
+
+
+def test_image_features_computed_beforehand_are_not_keyed_by_placeholder_ids():
+    # generate(mm_encoder_outputs={"image": features}): a dict, not a tensor, so the call was paged and its image
+    # K/V cached under the placeholder ids. The same ids with other features then failed (the hit sliced the image
+    # tokens off), and the same ids without an image got the first image's tokens.
+    model = _llava()
+    ids = torch.tensor([[1] + [IMG] * 4 + [10, 11, 12, 13, 14]])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0,
+              eos_token_id=None)
+    images = _images()
+    features = [_image_features(model, img) for img in images]
+
+    def run(f):  # (a copy: generate() expands the features it is passed in place for samples and beams)
+        return model.generate(ids, **kw, **({} if f is None else {"mm_encoder_outputs": {"image": copy.deepcopy(f)}}))
+
+    calls = [features[0], features[2], features[0], None]
+    try:
+        stock = [run(f) for f in calls]
+    except ValueError as e:
+        pytest.skip(f"this transformers release takes no mm_encoder_outputs: {e}")
+    assert not torch.equal(stock[0], stock[1]) and not torch.equal(stock[0], stock[3])
+    astrai_hf.patch(model, max_tokens=1024)
+    pool = astrai_hf.get_pool(model)
+    for f, ref in zip(calls, stock):
+        assert torch.equal(run(f), ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_images_through_a_cache_of_the_callers_are_not_keyed_by_placeholder_ids():
+    # a PagedCache of the caller's with pixel_values (generate() or a forward of its own) offered its image K/V to
+    # the prefix cache: the next image of the same ids failed, a text call of the same ids got the image's tokens
+    model = _llava()
+    ids = torch.tensor([[1] + [IMG] * 4 + [10, 11, 12, 13, 14]])
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    images = _images()
+    stock = [model.generate(ids, pixel_values=img, **kw) for img in images]
+    text = model.generate(ids, **kw)
+    assert not torch.equal(stock[0], text)
+    pool = PagePool.from_model(model, max_tokens=1024)
+    astrai_hf.patch(model, pool=pool)
+    name = astrai_hf.cache_kwarg(model)
+    for img, ref in zip(images, stock):
+        with PagedCache(pool, ids, mask) as cache:
+            assert cache.get_seq_length() == 0
+            assert torch.equal(model.generate(ids, pixel_values=img, **kw, **{name: cache}), ref)
+    with torch.no_grad(), PagedCache(pool) as cache:
+        model(ids, attention_mask=mask, pixel_values=images[2], use_cache=True, **{name: cache})
+    with PagedCache(pool, ids, mask) as cache:
+        assert cache.get_seq_length() == 0
+    assert torch.equal(model.generate(ids, **kw), text)
+    assert pool.stats()["prefix_hit_tokens"] == 0 and pool.stats()["num_used_pages"] == 0
 
 
 def _gemma3_multimodal():
