@@ -6,9 +6,10 @@ positions, each row's ``req_to_token`` row, ``seq_lens``, ``slot_mapping``). A b
 rows read and write only the trash page (slot 0). Graphs are captured lazily, on a bucket's first decode
 step, or all at once, largest first, by :func:`astrai_hf.capture_graphs`, into one memory pool shared by all
 buckets (the scheme of vLLM, SGLang's ``cuda_graph_runner`` and nano-vllm). Steps it cannot replay (several
-tokens per row, a batch above the largest bucket, outputs of every layer asked for) run eager, and so do all decode
-steps of a model whose forward cannot be captured (it reads a tensor back to the host, as dynamic RoPE scaling does
-to compare the longest position with its cached length). A model changed
+tokens per row, a batch above the largest bucket, outputs besides the logits asked for, M-RoPE positions) run eager,
+and so do all decode steps of a model whose forward cannot be captured (it reads a tensor back to the host, as
+dynamic RoPE scaling does to compare the longest position with its cached length), returns tensors besides the
+logits, or runs forward hooks of the caller's (which stock runs at every step, on the batch's rows). A model changed
 since its graphs were captured (a parameter given a new tensor, a hook added, an adapter switched) has them captured
 again at its next call (:meth:`DecodeGraphRunner.still_fits`).
 
@@ -32,7 +33,7 @@ from .attention.reference import _attend
 from .cache import autocast_on
 from .metadata import StepMetadata
 from .packing import last_logits_only
-from .pool import ModelLayout
+from .pool import ModelLayout, has_caller_hooks, holds_tensor
 from .storage import gather_kv
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,13 @@ class DecodeWorkspace:
             self.filled = min(self.filled, start)
 
 
+# forward arguments (and config fields) asking for outputs besides the logits
+_OTHER_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
 class GraphStep:
-    """The metadata a captured decode step hands to ``cache.update()`` and attention: views of the workspace."""
+    """The metadata a captured decode step hands to ``cache.update()`` and attention: views of the workspace.
+    ``layers``: the layers that stored K/V in the step's capture."""
 
     paged = True
     is_packed = False
@@ -132,6 +138,7 @@ class GraphStep:
         self.seq_lens_t = workspace.seq_lens[:bucket]
         self.table = table
         self.bucket = bucket
+        self.layers: frozenset[int] = frozenset()
 
     def on(self, device: torch.device) -> "GraphStep":
         return self
@@ -286,9 +293,17 @@ class DecodeGraphRunner:
             return False
         if step.group != 1 or self.bucket_for(input_ids.shape[0]) is None:
             return False
-        if any(kwargs.get(k) for k in ("output_hidden_states", "output_attentions")) or not last_logits_only(kwargs):
+        if not last_logits_only(kwargs):
             return False
         model = self.model
+        config = getattr(model, "config", None)
+        # outputs besides the logits (asked for by the call or by the config): a graph hands back those of its
+        # capture, of the bucket's rows
+        if any(kwargs.get(k, getattr(config, k, False)) for k in _OTHER_OUTPUTS):
+            return False
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and position_ids.dim() != 2:  # M-RoPE's [3 or 4, B, 1]: [B, 1] in the workspace
+            return False
         return_dict = kwargs.get("return_dict")
         if return_dict is None and model is not None:
             return_dict = getattr(model.config, "return_dict", True)
@@ -298,7 +313,7 @@ class DecodeGraphRunner:
             # a graph keeps the dtypes of its capture: autocast's state is not part of a bucket's key, so steps
             # under it run eagerly (and a graph captured without it is never replayed under it)
             return False
-        if kwargs.get("position_ids") is None and any(p != step.logical_len - 1 for p in step.prev_lens):
+        if position_ids is None and any(p != step.logical_len - 1 for p in step.prev_lens):
             # padding, and positions of the model's own counting (the cache's length for most families, the
             # mask's for OPT), which the workspace cannot know; generate() always passes them
             return False
@@ -324,8 +339,12 @@ class DecodeGraphRunner:
         if graph is not None:
             graph.replay()
             out = static_out
+            # every layer stored this step (a replay runs no Python): a forward that plans no step of its own (one
+            # asking for attention weights) makes the cache plan its next one
+            cache._step, cache._step_layers = gstep, set(gstep.layers)
         else:  # stand-in: run the forward again over the same static buffers
             out = self._forward(bucket, cache, kwargs, state, gstep)
+            self._check_outputs(out, bucket)
         step.deferred = None  # (written by the graph)
         self.replays += 1
         if cache._pending_known is not None:  # every layer stored this step (a replay runs no Python)
@@ -373,33 +392,47 @@ class DecodeGraphRunner:
         table.write_ids(rows, cols, ws.input_ids[:bucket, 0])
         state.step, cache._step, cache._step_layers = gstep, gstep, set()
         args = {k: v for k, v in kwargs.items() if k not in ("input_ids", "position_ids", "attention_mask")}
-        return self.forward(input_ids=ws.input_ids[:bucket], position_ids=ws.position_ids[:bucket],
-                            attention_mask=None, **args)
+        out = self.forward(input_ids=ws.input_ids[:bucket], position_ids=ws.position_ids[:bucket],
+                           attention_mask=None, **args)
+        gstep.layers = frozenset(cache._step_layers)
+        return out
+
+    def _check_outputs(self, out, bucket: int) -> None:
+        """Decline the bucket (:meth:`_decline`) when the forward's output holds tensors besides the logits (a
+        model that returns router logits or an auxiliary loss by default): a replay would hand back those of the
+        capture, of the bucket's rows."""
+        extra = [k for k, v in out.items() if k not in ("logits", "cache", "past_key_values") and holds_tensor(v)]
+        if extra:
+            self._decline(bucket, f"its forward returns {', '.join(extra)} besides the logits")
+
+    def _decline(self, bucket: int, reason: str) -> None:
+        """Run the model's decode steps eagerly from now on (until it changes), for ``reason``; raises
+        :class:`CaptureRefused`."""
+        self.graphs.pop(bucket, None)
+        self.uncapturable = reason
+        model = self.model
+        name = type(model).__name__ if model is not None else "the model"
+        logger.info("%s: %s, so its decode steps run eagerly", name, reason)
+        raise CaptureRefused(f"{name} (bucket {bucket}): {reason}")
 
     def _capture(self, bucket: int, cache, kwargs: dict, state):
+        import time
+
+        start = time.perf_counter()
+        model = self.model
+        self._note_layout(model)
+        if has_caller_hooks(model):
+            # a hook of the caller's would run at the capture only, shown the bucket's padded rows, and what it
+            # records would be overwritten by later replays; stock runs it at every step on the batch's rows
+            self._decline(bucket, "forward hooks of the caller's run in its forward")
         gstep = GraphStep(self.workspace, bucket, self.pool.req_to_token.table)
         if not self.use_cuda_graphs:
             logger.debug("decode runner: bucket %d ready (eager stand-in)", bucket)
             return None, None, gstep
         import gc
-        import time
 
         from .attention import on_device
 
-        start = time.perf_counter()
-        model = self.model
-        if self._layout is None:  # what the graphs hold fixed (checked by still_fits before later calls)
-            self._layout = ModelLayout(model), self.pool.weights_stamp
-        elif not self._layout[0].matches(model):
-            # the model changed since the other buckets were captured, inside a call (a hook added within a loop
-            # of one's own): those graphs are stale now, and this one is once the change is undone. The pool's
-            # check ran before the change: it looks again now (dropping prefixes the change made stale too), so
-            # that its stamp moves when the change is undone.
-            logger.info("decode runner: the model changed since its graphs were captured; dropping %d of them",
-                        len(self.graphs))
-            self.graphs = {}
-            self.pool.check_weights(model)
-            self._layout = ModelLayout(model), self.pool.weights_stamp
         # a PagedCache collected mid-capture would free its table rows with host-to-device copies, which break
         # the capture (or land in the graph): no garbage collection until the graph is captured
         collecting = gc.isenabled()
@@ -411,8 +444,9 @@ class DecodeGraphRunner:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
-                    self._forward(bucket, cache, kwargs, state, gstep)
+                    warm = self._forward(bucket, cache, kwargs, state, gstep)
                 torch.cuda.current_stream().wait_stream(side)
+                self._check_outputs(warm, bucket)
                 if self._mempool is None:
                     self._mempool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
@@ -431,6 +465,24 @@ class DecodeGraphRunner:
         self.capture_seconds[bucket] = time.perf_counter() - start
         logger.info("decode runner: captured bucket %d in %.3f s", bucket, self.capture_seconds[bucket])
         return graph, static_out, gstep
+
+    def _note_layout(self, model) -> None:
+        """Take what the graphs hold fixed (checked by :meth:`still_fits` before later calls) at the first capture,
+        and drop the graphs captured when the model changed since, inside a call (a hook added within a loop of
+        one's own): those are stale now, and the one about to be captured is once the change is undone.
+
+        Either way the pool looks at the model again first, and the layout is paired with the stamp of that look.
+        The pool's check before the call's first step ran before such a change: paired with its stamp, the layout
+        would match again once the change is undone, and a graph captured with the change would be replayed
+        without it. The look also drops the prefixes the change made stale."""
+        if self._layout is not None and self._layout[0].matches(model):
+            return
+        if self._layout is not None:
+            logger.info("decode runner: the model changed since its graphs were captured; dropping %d of them",
+                        len(self.graphs))
+            self.graphs = {}
+        self.pool.check_weights(model)
+        self._layout = ModelLayout(model), self.pool.weights_stamp
 
     def _refused(self, bucket: int, error: RuntimeError, stream) -> None:
         """A capture CUDA refused: the model's decode steps run eagerly from now on; raises :class:`CaptureRefused`.

@@ -26,7 +26,7 @@ from .errors import CacheFullError
 from .graphs import CaptureRefused, DecodeGraphRunner
 from .interrupts import interrupts_deferred
 from .metadata import StepMetadata
-from .pool import PagePool, attention_modules, unsupported_model
+from .pool import PagePool, attention_modules, holds_tensor, unsupported_model
 
 _STATE_ATTR = PATCH_STATE_ATTR
 logger = logging.getLogger(__name__)
@@ -2001,7 +2001,7 @@ def _other_inputs(kwargs: dict) -> list[str]:
         if isinstance(value, torch.Tensor):
             if name in _TOKEN_TYPES and not bool(value.any()):
                 continue  # all text
-        elif name in _generate_settings() or not _holds_tensor(value):
+        elif name in _generate_settings() or not holds_tensor(value):
             continue
         names.append(name)
     return sorted(names)
@@ -2016,26 +2016,12 @@ def _other_forward_inputs(kwargs: dict) -> list[str]:
     not fed (``pixel_values``, image features, ...; token types marking image spans)."""
     names = []
     for name, value in kwargs.items():
-        if name in _TEXT_FORWARD_INPUTS or not _holds_tensor(value):
+        if name in _TEXT_FORWARD_INPUTS or not holds_tensor(value):
             continue
         if name in _TOKEN_TYPES and isinstance(value, torch.Tensor) and not bool(value.any()):
             continue
         names.append(name)
     return sorted(names)
-
-
-def _holds_tensor(value, depth: int = 4) -> bool:
-    """Whether ``value`` is a tensor, or a dict, list or tuple (a ``ModelOutput`` too) holding one within ``depth``
-    levels. A Cache holds tensors but is none of those."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if depth == 0:
-        return False
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (list, tuple)):
-        return False
-    return any(_holds_tensor(v, depth - 1) for v in value)
 
 
 @functools.cache

@@ -1077,6 +1077,20 @@ _RECORDING_HOOKS = ("transformers.utils.output_capturing", "transformers.modelin
                     "torch.nn.utils.")
 
 
+def holds_tensor(value, depth: int = 4) -> bool:
+    """Whether ``value`` is a tensor, or a dict, list or tuple (a ``ModelOutput`` too) holding one within ``depth``
+    levels. A Cache holds tensors but is none of those."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(holds_tensor(v, depth - 1) for v in value)
+
+
 def _hook_origin(fn) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func

@@ -109,6 +109,11 @@ def _new_lm_head(model):
     model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
 
 
+def _forward_replaced(model):
+    mlp = model.model.layers[0].mlp
+    mlp.forward = lambda x, _f=type(mlp).forward: 3.0 * _f(mlp, x)  # a module's forward set on the instance
+
+
 def _resized(model):
     torch.manual_seed(4)
     model.resize_token_embeddings(model.config.vocab_size + 40, mean_resizing=False)
@@ -122,7 +127,7 @@ CHANGES = {
     "param.data = param.data.t()": _transposed,
     "a module assigned anew": _new_lm_head,
     "resize_token_embeddings()": _resized,
-    "a forward hook added": _steer,
+    "a forward set on a module": _forward_replaced,
     "load_state_dict() in place": _in_place,
 }
 
@@ -215,10 +220,17 @@ def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
 
 
 def _reads_the_host(model):
-    """A forward hook of the kind people add to watch a model (it reads a value back to the host every call)."""
-    seen = []
-    model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out[0].abs().max().item()))
-    return seen
+    """A module's forward of the kind people wrap to watch a model (it reads a value back to the host every call);
+    returns the values read and a function that undoes the wrap."""
+    seen, mlp = [], model.model.layers[0].mlp
+
+    def watched(x, _forward=mlp.forward):
+        out = _forward(x)
+        seen.append(out.abs().max().item())
+        return out
+
+    mlp.forward = watched
+    return seen, lambda: vars(mlp).pop("forward")
 
 
 UNCAPTURABLE = {
@@ -228,7 +240,7 @@ UNCAPTURABLE = {
     # (torch.where, a capturable step) since
     "longrope": lambda: tiny_model("phi3", original_max_position_embeddings=16, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "factor": 4.0}),
-    "a hook reading the host": lambda: (m := tiny_model("llama"), _reads_the_host(m))[0],
+    "a forward reading the host": lambda: (m := tiny_model("llama"), _reads_the_host(m))[0],
 }
 
 
@@ -269,18 +281,17 @@ def test_capture_graphs_on_a_forward_cuda_cannot_capture_warns_and_generate_runs
 
 
 def test_once_the_host_read_is_gone_the_next_call_captures(captured):
-    # a refusal holds for the model as it was: removing the hook that read the host changes the model, and the
-    # next call captures and replays
+    # a refusal holds for the model as it was: removing the forward that read the host changes the model, and
+    # the next call captures and replays
     stock, model = tiny_model("llama"), tiny_model("llama")
     ids, mask = left_padded_batch([5, 1, 12], seed=4)
     kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     want = stock.generate(ids, **kw)
     with _patched(model):
-        seen = []
-        hook = model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out[0].sum().item()))
+        seen, undo = _reads_the_host(model)
         assert torch.equal(model.generate(ids, **kw), want)
         assert _runner(model).uncapturable is not None and len(captured) == 0 and seen
-        hook.remove()
+        undo()
         assert torch.equal(model.generate(ids, **kw), want)
         runner = _runner(model)
         assert runner.uncapturable is None and runner.captured == [4] and runner.replays == 5
@@ -355,3 +366,172 @@ def test_a_pool_of_ones_own_is_freed_with_its_runner_once_nothing_uses_it(captur
         assert list(model._astrai_patch_state.runners) == []
         assert torch.equal(model.generate(ids, **kw), want)  # the model's own pool keeps its runner
         assert len(model._astrai_patch_state.runners) == 1
+
+
+def _hooks_of_the_caller(model, strengths):
+    """Three hooks of the kinds people write: a per-row steering strength (a tensor of one value per row), a hook
+    that centres the residual stream over the batch (it mixes rows), and a probe keeping what it saw."""
+    layers = model.model.layers
+    steer = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    seen = []
+
+    def hidden(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    def replace(out, h):
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    return seen, [
+        layers[0].register_forward_hook(lambda m, a, out: replace(out, hidden(out) + strengths[:, None, None] * steer)),
+        layers[1].register_forward_hook(lambda m, a, out: replace(out, hidden(out) - hidden(out).mean(0))),
+        layers[1].register_forward_hook(lambda m, a, out: seen.append(hidden(out).detach())),
+    ]
+
+
+def test_hooks_of_the_callers_run_at_every_decode_step_on_the_batchs_rows(captured):
+    # a batch of 3 padded to its bucket of 4 showed hooks 4 rows: a per-row strength failed on the size, a hook
+    # mixing rows gave other tokens, and a probe ran at the capture only, its record overwritten by later replays
+    # (prompts of one length: a hook mixing rows would mix in padding positions, which are not stock's, README)
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([7, 7, 7], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    strengths = torch.tensor([0.5, -1.0, 2.0])
+    seen, handles = _hooks_of_the_caller(stock, strengths)
+    want, want_seen = stock.generate(ids, **kw), [t.clone() for t in seen]
+    with _patched(model):
+        plain = model.generate(ids, **kw)  # captures bucket 4
+        got_seen, handles = _hooks_of_the_caller(model, strengths)
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert [t.shape for t in got_seen] == [t.shape for t in want_seen]
+        for a, b in zip(got_seen, want_seen):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        runner = _runner(model)
+        assert "hooks" in runner.uncapturable and runner.replays == 0
+        for h in handles:
+            h.remove()
+        assert torch.equal(model.generate(ids, **kw), plain)  # captured again, replayed
+        assert _runner(model).replays == 4 and len(captured) == 2
+
+
+def _undoable_forward(model):
+    _forward_replaced(model)
+    return lambda: vars(model.model.layers[0].mlp).pop("forward")
+
+
+@pytest.mark.parametrize("change", ["a forward hook", "a forward set on a module"])
+def test_a_change_made_after_a_loops_first_step_leaves_no_stale_first_graph(captured, change):
+    # the first capture took the model's layout (changed) with the pool's stamp of the loop's first step (before
+    # the change): once the change was undone that stamp matched again, and later calls replayed the changed graph
+    from astrai_hf import PagedCache
+
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([6], seed=7)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    with _patched(model):
+        with torch.no_grad(), PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            loop = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+            out = model(input_ids=torch.tensor([[5, 6, 7, 8]]), **loop)
+            undo = _steer(model, scale=1.0).remove if change == "a forward hook" else _undoable_forward(model)
+            for _ in range(3):
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), logits_to_keep=1, **loop)
+            undo()
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        # the model as it is now, captured and replayed: 7 decode steps, then 8 (the second prompt, wholly cached,
+        # leaves its last token to a one-token step)
+        assert _runner(model).replays == 7 + 8
+
+
+def test_mrope_positions_of_a_text_call_run_the_decode_steps_eagerly(captured):
+    # Qwen2-VL's generate() passes positions [4, B, 1] (text plus three M-RoPE axes): the workspace expanded them
+    # to [B, 1] and every text call with graphs on failed
+    from test_inputs import _qwen2_vl
+
+    stock, model = _qwen2_vl(), _qwen2_vl()
+    ids, mask = left_padded_batch([12, 3], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with _patched(model):
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("unplanned", ["output_attentions", "a hole in the mask"])
+def test_a_forward_the_runner_does_not_run_after_replays_plans_its_own_step(captured, unplanned):
+    # a replay runs no Python: the cache still held the replayed step with no layer stored, and the next forward
+    # that the model's own attention runs (attention weights asked for, a mask with a hole) wrote through its plan
+    from transformers import DynamicCache
+
+    def loop(m, cache):
+        kw = {astrai_hf.cache_kwarg(m): cache, "use_cache": True, "logits_to_keep": 1}
+        ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(1))
+        mask, logits = torch.ones(2, 6, dtype=torch.long), []
+        with torch.no_grad():
+            out = m(input_ids=ids, attention_mask=mask, **kw)
+            for t in range(5):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+                extra = {}
+                if t == 3 and unplanned == "output_attentions":
+                    extra = {"output_attentions": True}
+                elif t == 3:
+                    mask[1, 2] = 0
+                out = m(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask,
+                        position_ids=torch.full((2, 1), 6 + t), **extra, **kw)
+                logits.append(out.logits[:, -1].clone())
+        return logits
+
+    stock = tiny_model("llama", attn_implementation="eager")
+    model = tiny_model("llama", attn_implementation="eager")
+    want = loop(stock, DynamicCache(config=stock.config))
+    with _patched(model):
+        with astrai_hf.PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            got = loop(model, cache)
+        assert _runner(model).replays >= 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _mixtral(**overrides):
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                             max_position_embeddings=256, pad_token_id=0, **overrides)
+    return T.MixtralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("outputs", ["config.output_hidden_states", "router logits by default"])
+def test_outputs_besides_the_logits_come_from_each_step_with_the_batchs_rows(captured, outputs):
+    # a graph handed back the hidden states or router logits of its capture: the bucket's rows, and overwritten by
+    # every later replay
+    from transformers import DynamicCache
+
+    def build():
+        if outputs == "router logits by default":
+            return _mixtral(output_router_logits=True)
+        m = tiny_model("llama")
+        m.config.output_hidden_states = True
+        return m
+
+    def loop(m, cache):
+        kw = {astrai_hf.cache_kwarg(m): cache, "use_cache": True}
+        ids = torch.randint(3, 90, (3, 5), generator=torch.Generator().manual_seed(1))
+        outs = []
+        with torch.no_grad():
+            out = m(input_ids=ids, **kw)
+            for t in range(3):
+                out = m(input_ids=out.logits[:, -1:].argmax(-1), position_ids=torch.full((3, 1), 5 + t),
+                        logits_to_keep=1, **kw)
+                outs.append(out)
+        return outs
+
+    def extra(out):
+        return out.hidden_states[-1] if outputs.endswith("hidden_states") else out.router_logits[0]
+
+    stock, model = build(), build()
+    want = loop(stock, DynamicCache(config=stock.config))
+    with _patched(model):
+        with astrai_hf.PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            got = loop(model, cache)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(extra(a), extra(b), rtol=0, atol=1e-5)

@@ -204,18 +204,24 @@ def test_a_parameter_given_a_new_tensor_after_capture_is_read_by_the_next_call(m
 
 
 def test_a_forward_cuda_refuses_to_capture_runs_eagerly_and_later_captures_work(model):
-    # a forward hook reading a value back to the host each step (as a watch of the activations does): CUDA refuses
-    # it on a capturing stream. The decode steps run eagerly instead, the stream current before the capture is
-    # current again, and once the hook is gone the next call captures and replays on the same device
+    # a module's forward reading a value back to the host each step (as a watch of the activations does): CUDA
+    # refuses it on a capturing stream. The decode steps run eagerly instead, the stream current before the capture
+    # is current again, and once the wrap is gone the next call captures and replays on the same device
     pool = PagePool.from_model(model, max_tokens=32 * 128, page_size=16, prefix_cache=False)
     ids, mask = _prompts(model, 3, seed=60)
     eager_out, _ = _generate(model, pool, ids, mask, graphs=False)
-    seen = []
-    hook = model.model.layers[0].register_forward_hook(lambda m, a, out: seen.append(out[0].abs().max().item()))
+    seen, mlp = [], model.model.layers[0].mlp
+
+    def watched(x, _forward=mlp.forward):
+        out = _forward(x)
+        seen.append(out.abs().max().item())
+        return out
+
+    mlp.forward = watched
     try:
         refused_out, replays = _generate(model, pool, ids, mask, graphs=True)
     finally:
-        hook.remove()
+        del mlp.forward
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert replays == 0 and len(seen) >= NEW
     _same_tokens(refused_out, eager_out, ids.shape[1])
