@@ -10,7 +10,7 @@ import torch
 import astrai_hf
 import graph_tape
 from astrai_hf import PagePool, graphs
-from tiny_models import ARCHS, left_padded_batch, tiny_model
+from tiny_models import ARCHS, left_padded_batch, reads_the_host, tiny_model
 
 pytestmark = pytest.mark.equivalence
 
@@ -219,20 +219,6 @@ def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
     assert len(captured) == 1
 
 
-def _reads_the_host(model):
-    """A module's forward of the kind people wrap to watch a model (it reads a value back to the host every call);
-    returns the values read and a function that undoes the wrap."""
-    seen, mlp = [], model.model.layers[0].mlp
-
-    def watched(x, _forward=mlp.forward):
-        out = _forward(x)
-        seen.append(out.abs().max().item())
-        return out
-
-    mlp.forward = watched
-    return seen, lambda: vars(mlp).pop("forward")
-
-
 UNCAPTURABLE = {
     # dynamic RoPE scaling compares the longest position with its cached length on the host each forward
     "dynamic RoPE": lambda: tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -240,7 +226,7 @@ UNCAPTURABLE = {
     # (torch.where, a capturable step) since
     "longrope": lambda: tiny_model("phi3", original_max_position_embeddings=16, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "factor": 4.0}),
-    "a forward reading the host": lambda: (m := tiny_model("llama"), _reads_the_host(m))[0],
+    "a forward reading the host": lambda: (m := tiny_model("llama"), reads_the_host(m))[0],
 }
 
 
@@ -288,7 +274,7 @@ def test_once_the_host_read_is_gone_the_next_call_captures(captured):
     kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     want = stock.generate(ids, **kw)
     with _patched(model):
-        seen, undo = _reads_the_host(model)
+        seen, undo = reads_the_host(model)
         assert torch.equal(model.generate(ids, **kw), want)
         assert _runner(model).uncapturable is not None and len(captured) == 0 and seen
         undo()

@@ -75,3 +75,17 @@ def paged_and_reference(model, pool, ids, mask, max_new_tokens: int = 6):
         return model.generate(ids, **greedy), ref
     finally:
         astrai_hf.unpatch(model)
+
+
+def reads_the_host(model):
+    """A module's forward of the kind people wrap to watch a model (it reads a value back to the host every call);
+    returns the values read and a function that undoes the wrap."""
+    seen, mlp = [], model.model.layers[0].mlp
+
+    def watched(x, _forward=mlp.forward):
+        out = _forward(x)
+        seen.append(out.abs().max().item())
+        return out
+
+    mlp.forward = watched
+    return seen, lambda: vars(mlp).pop("forward")

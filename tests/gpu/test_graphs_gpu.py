@@ -11,6 +11,7 @@ import torch
 
 import astrai_hf
 from astrai_hf import PagePool
+from tiny_models import reads_the_host
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -210,18 +211,11 @@ def test_a_forward_cuda_refuses_to_capture_runs_eagerly_and_later_captures_work(
     pool = PagePool.from_model(model, max_tokens=32 * 128, page_size=16, prefix_cache=False)
     ids, mask = _prompts(model, 3, seed=60)
     eager_out, _ = _generate(model, pool, ids, mask, graphs=False)
-    seen, mlp = [], model.model.layers[0].mlp
-
-    def watched(x, _forward=mlp.forward):
-        out = _forward(x)
-        seen.append(out.abs().max().item())
-        return out
-
-    mlp.forward = watched
+    seen, undo = reads_the_host(model)
     try:
         refused_out, replays = _generate(model, pool, ids, mask, graphs=True)
     finally:
-        del mlp.forward
+        undo()
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     assert replays == 0 and len(seen) >= NEW
     _same_tokens(refused_out, eager_out, ids.shape[1])
