@@ -296,10 +296,11 @@ class DecodeGraphRunner:
         if not last_logits_only(kwargs):
             return False
         model = self.model
-        config = getattr(model, "config", None)
         # outputs besides the logits (asked for by the call or by the config): a graph hands back those of its
-        # capture, of the bucket's rows
-        if any(kwargs.get(k, getattr(config, k, False)) for k in _OTHER_OUTPUTS):
+        # capture, of the bucket's rows (the config's fields read from its dict, where it keeps them, some behind a
+        # property as `_output_attentions`: its attribute lookup costs microseconds, at every step)
+        fields = vars(model.config) if model is not None else {}
+        if any(kwargs.get(k, fields.get(k, fields.get("_" + k))) for k in _OTHER_OUTPUTS):
             return False
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and position_ids.dim() != 2:  # M-RoPE's [3 or 4, B, 1]: [B, 1] in the workspace

@@ -1057,10 +1057,11 @@ def _wrap_forward(owner, forward, state: PatchState):
             # over K/V gathered from the pool, with this step's K/V live, so gradients flow as with a DynamicCache
             # (paged attention reads the pool, which is outside autograd)
             return forward(*args, **kwargs)
-        if _other_forward_inputs(kwargs):
-            # images, audio or their features: K/V of placeholder ids that the prefix cache cannot tell apart
-            cache._rows.reusable = False
         B, q = inputs.shape[:2]
+        if q > 1 and _other_forward_inputs(kwargs):
+            # images, audio or their features (fed with a prompt, not to a decode step): K/V of placeholder ids
+            # that the prefix cache cannot tell apart
+            cache._rows.reusable = False
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         own_loop = not cache.made_by_generate and not state.generating  # a forward of the caller's own
         if own_loop and cache.mask_has_holes(mask, B, q):
