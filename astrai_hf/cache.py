@@ -560,6 +560,7 @@ class PagedCache(Cache):
         paged: bool = False,
         given_positions: torch.Tensor | None = None,
         defer_writes: bool = False,
+        rows_differ: bool = False,
     ) -> StepMetadata:
         """Allocate slots for one forward step of ``q_len`` columns and record where each real token goes.
 
@@ -582,6 +583,8 @@ class PagedCache(Cache):
                 ``req_to_token`` and token-id entries and its indices on the host (``StepMetadata.deferred``): a
                 decode graph writes them from its workspace, anything else calls ``step.send()`` (``step.on()``
                 does). Saves a decode step replayed from a graph the launches of those writes.
+            rows_differ: rows may differ beyond their ids and mask (an image per row fed with them): each input
+                row is computed and stored, none shared with an identical one.
 
         Raises:
             CacheFullError: the pool has too few free (or evictable) pages or request rows; the cache is released
@@ -625,7 +628,8 @@ class PagedCache(Cache):
         step, failed = None, None
         with self.pool.books():
             try:
-                step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged, defer_writes)
+                step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged, defer_writes,
+                                  rows_differ)
             except BaseException as e:  # an interrupt too: pages taken for this step are in no row yet
                 failed = e
             try:
@@ -747,7 +751,8 @@ class PagedCache(Cache):
                     )
         self._first_step_planned = True
 
-    def _plan(self, B, q, position_ids, attention_mask, input_ids, paged, defer_writes=False) -> StepMetadata:
+    def _plan(self, B, q, position_ids, attention_mask, input_ids, paged, defer_writes=False,
+              rows_differ=False) -> StepMetadata:
         if self.returned_by_generate:
             raise ValueError(
                 "this PagedCache is the one a patched generate() returned; it was released when that call ended "
@@ -766,9 +771,10 @@ class PagedCache(Cache):
             if B % held:
                 raise ValueError(f"the cache holds {held} rows but the input has {B}")
             group = B // held
-            # (identical rows computed once; rows fed as embeddings carry no ids to compare; a hook of the caller's
-            # may treat rows apart, a steering strength per sample, and is shown each)
-            if not (paged and input_ids is not None and _grouped(input_ids, group)
+            # (identical rows computed once; rows fed as embeddings carry no ids to compare, rows fed with images
+            # differ beyond them; a hook of the caller's may treat rows apart, a steering strength per sample, and
+            # is shown each)
+            if not (paged and not rows_differ and input_ids is not None and _grouped(input_ids, group)
                     and _grouped(attention_mask, group)) or (
                     self.pool.model is not None and has_caller_hooks(self.pool.model)):
                 self.batch_repeat_interleave(group)

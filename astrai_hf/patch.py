@@ -1058,9 +1058,10 @@ def _wrap_forward(owner, forward, state: PatchState):
             # (paged attention reads the pool, which is outside autograd)
             return forward(*args, **kwargs)
         B, q = inputs.shape[:2]
-        if q > 1 and _other_forward_inputs(kwargs):
-            # images, audio or their features (fed with a prompt, not to a decode step): K/V of placeholder ids
-            # that the prefix cache cannot tell apart
+        # images, audio or their features (fed with a prompt, not to a decode step): K/V of placeholder ids that
+        # the prefix cache cannot tell apart, nor the rows of a batch from each other
+        images = q > 1 and bool(_other_forward_inputs(model, args, kwargs))
+        if images:
             cache._rows.reusable = False
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         own_loop = not cache.made_by_generate and not state.generating  # a forward of the caller's own
@@ -1080,6 +1081,7 @@ def _wrap_forward(owner, forward, state: PatchState):
             paged=True,
             given_positions=positions,
             defer_writes=state.cuda_graphs and not args,  # (the runner writes them; step.send() otherwise)
+            rows_differ=images,
         )
         if not cache.made_by_generate and kwargs.get("position_ids") is not None:
             cache._note_positions(kwargs["position_ids"], step, B, q)  # (older releases pass layers no positions)
@@ -2026,10 +2028,12 @@ def _other_inputs(kwargs: dict) -> list[str]:
     for name, value in kwargs.items():
         if name in _TEXT_INPUTS:
             continue
+        if name in _generate_settings():  # (eos_token_id as a tensor, a logits processor list)
+            continue
         if isinstance(value, torch.Tensor):
             if name in _TOKEN_TYPES and not bool(value.any()):
                 continue  # all text
-        elif name in _generate_settings() or not holds_tensor(value):
+        elif not holds_tensor(value):
             continue
         names.append(name)
     return sorted(names)
@@ -2039,17 +2043,30 @@ def _other_inputs(kwargs: dict) -> list[str]:
 _TEXT_FORWARD_INPUTS = frozenset({*_TEXT_INPUTS, "cache_position", "labels", "logits_to_keep", "num_logits_to_keep"})
 
 
-def _other_forward_inputs(kwargs: dict) -> list[str]:
-    """:func:`_other_inputs` of a forward's keyword arguments: tensors and containers of tensors a text model is
-    not fed (``pixel_values``, image features, ...; token types marking image spans)."""
+def _other_forward_inputs(model, args: tuple, kwargs: dict) -> list[str]:
+    """:func:`_other_inputs` of a forward's arguments (positional ones by the names of ``model``'s forward):
+    tensors and containers of tensors a text model is not fed (``pixel_values``, image features, ...; token types
+    marking image spans)."""
     names = []
-    for name, value in kwargs.items():
+    given = dict(zip(_forward_parameters(type(model)), args)) if args else {}
+    for name, value in (*given.items(), *kwargs.items()):
         if name in _TEXT_FORWARD_INPUTS or not holds_tensor(value):
             continue
         if name in _TOKEN_TYPES and isinstance(value, torch.Tensor) and not bool(value.any()):
             continue
         names.append(name)
     return sorted(names)
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s parameters that take positional arguments, ``self`` left out."""
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)[1:]
 
 
 @functools.cache

@@ -203,10 +203,45 @@ def test_images_through_a_cache_of_the_callers_are_not_keyed_by_placeholder_ids(
             assert torch.equal(model.generate(ids, pixel_values=img, **kw, **{name: cache}), ref)
     with torch.no_grad(), PagedCache(pool) as cache:
         model(ids, attention_mask=mask, pixel_values=images[2], use_cache=True, **{name: cache})
+    with torch.no_grad(), PagedCache(pool) as cache:  # pixel_values LLaVA's second positional argument
+        model(ids, images[2], attention_mask=mask, use_cache=True, **{name: cache})
     with PagedCache(pool, ids, mask) as cache:
         assert cache.get_seq_length() == 0
     assert torch.equal(model.generate(ids, **kw), text)
     assert pool.stats()["prefix_hit_tokens"] == 0 and pool.stats()["num_used_pages"] == 0
+
+
+def test_a_one_row_cache_shared_by_rows_of_the_same_ids_and_other_images_computes_each_row():
+    # rows were grouped by their ids and mask alone: the second row decoded from the first row's image
+    model = _llava()
+    ids = torch.tensor([[1] + [IMG] * 4 + [10, 11, 12, 13, 14]])
+    batch, images = ids.expand(2, -1).clone(), torch.cat([_images()[0], _images()[2]])
+    kw = dict(attention_mask=torch.ones_like(batch), max_new_tokens=6, do_sample=False, pad_token_id=0,
+              eos_token_id=None)
+    stock = model.generate(batch, pixel_values=images, **kw)
+    assert not torch.equal(stock[0], stock[1])
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    astrai_hf.patch(model, pool=pool)
+    name = astrai_hf.cache_kwarg(model)
+    with PagedCache(pool, prefix_cache=False) as cache:  # one row, shared by the batch
+        with torch.no_grad():
+            model(input_ids=ids[:, :1], use_cache=True, **{name: cache})
+        assert torch.equal(model.generate(batch, pixel_values=images, **kw, **{name: cache}), stock)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("setting", ["eos_token_id", "pad_token_id"])
+def test_a_generation_setting_given_as_a_tensor_keeps_the_prefix_cache(setting):
+    # a tensor that is no model input had been taken for an image: the call ran stock, nothing cached or reused
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(1))
+    value = torch.tensor([95]) if setting == "eos_token_id" else torch.tensor(0)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, **{setting: value})
+    stock = model.generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=1024, page_size=4)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, **kw), stock)
+    assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] == 11
 
 
 def _gemma3_multimodal():
