@@ -2022,21 +2022,10 @@ _TEXT_INPUTS = ("inputs", "input_ids", "attention_mask", "position_ids", "inputs
 
 def _other_inputs(kwargs: dict) -> list[str]:
     """Names of the inputs of a ``generate()`` call beyond text: tensors (``pixel_values``, ``input_features``, ...,
-    and token types that mark image spans), and containers of tensors that are neither ``generate()`` parameters
-    nor generation settings (``mm_encoder_outputs={"image": features}``, image features computed beforehand)."""
-    names = []
-    for name, value in kwargs.items():
-        if name in _TEXT_INPUTS:
-            continue
-        if name in _generate_settings():  # (eos_token_id as a tensor, a logits processor list)
-            continue
-        if isinstance(value, torch.Tensor):
-            if name in _TOKEN_TYPES and not bool(value.any()):
-                continue  # all text
-        elif not holds_tensor(value):
-            continue
-        names.append(name)
-    return sorted(names)
+    and token types that mark image spans), and containers of tensors (``mm_encoder_outputs={"image": features}``,
+    image features computed beforehand), other than ``generate()``'s parameters and generation settings (an
+    ``eos_token_id`` tensor, a logits processor list)."""
+    return _not_text(kwargs.items(), _text_or_settings())
 
 
 # what a forward of a text model is fed besides text and the cache: neither changes the K/V of a token id
@@ -2047,13 +2036,19 @@ def _other_forward_inputs(model, args: tuple, kwargs: dict) -> list[str]:
     """:func:`_other_inputs` of a forward's arguments (positional ones by the names of ``model``'s forward):
     tensors and containers of tensors a text model is not fed (``pixel_values``, image features, ...; token types
     marking image spans)."""
-    names = []
     given = dict(zip(_forward_parameters(type(model)), args)) if args else {}
-    for name, value in (*given.items(), *kwargs.items()):
-        if name in _TEXT_FORWARD_INPUTS or not holds_tensor(value):
+    return _not_text((*given.items(), *kwargs.items()), _TEXT_FORWARD_INPUTS)
+
+
+def _not_text(items, skip: frozenset[str]) -> list[str]:
+    """The names of ``items`` (name, value) outside ``skip`` whose values are or hold tensors, token types all zero
+    (plain text) left out."""
+    names = []
+    for name, value in items:
+        if name in skip or not holds_tensor(value):
             continue
         if name in _TOKEN_TYPES and isinstance(value, torch.Tensor) and not bool(value.any()):
-            continue
+            continue  # all text
         names.append(name)
     return sorted(names)
 
@@ -2070,13 +2065,13 @@ def _forward_parameters(cls: type) -> tuple[str, ...]:
 
 
 @functools.cache
-def _generate_settings() -> frozenset[str]:
-    """The names ``generate()`` takes as its own parameters or as generation settings (model inputs aside): the
-    logits processors, stopping criteria and caches passed to it hold tensors that no forward is fed."""
+def _text_or_settings() -> frozenset[str]:
+    """The names ``generate()`` takes that are text inputs, its own parameters or generation settings: the logits
+    processors, stopping criteria and caches passed to it hold tensors that no forward is fed as an image."""
     from transformers import GenerationConfig, GenerationMixin
 
     params = inspect.signature(GenerationMixin.generate).parameters
-    return frozenset({*params, *vars(GenerationConfig()), "past_key_values", "cache"}) - set(_TEXT_INPUTS)
+    return frozenset({*params, *vars(GenerationConfig()), "past_key_values", "cache", *_TEXT_INPUTS})
 
 
 def _passed_generation_config(args: tuple, kwargs: dict):
