@@ -2409,7 +2409,9 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, mod
             raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if max_new is not None:
         total = prompt_len + max_new
+        setting = f"max_new_tokens={max_new}"  # named in the error: the setting that set the length
     else:
+        setting = f"max_length={max_length}" if max_length is not None else "max_new_tokens (default 20)"
         if max_length is None:  # neither given: generate() falls back to its default (20)
             from transformers import GenerationConfig
 
@@ -2422,7 +2424,7 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, mod
     if total > pool.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "
-            f"max_seq_len={pool.max_seq_len}; build a larger PagePool or lower max_new_tokens"
+            f"max_seq_len={pool.max_seq_len}; build a larger PagePool or lower {setting}"
         )
     capacity = pool.allocator.num_usable * pool.page_size
     if prompt_len > capacity:  # certain to fail: refused before any forward

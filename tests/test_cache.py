@@ -160,8 +160,18 @@ def test_the_default_length_is_checked_before_any_forward(llama, monkeypatch):
     try:
         with monkeypatch.context() as m:
             m.setattr(type(llama), "forward", lambda *a, **k: calls.append(1))
-            with pytest.raises(ValueError, match="reaches 36 tokens, more than the pool's max_seq_len=32"):
+            with pytest.raises(ValueError, match=r"reaches 36 tokens, more than the pool's max_seq_len=32; .* "
+                               r"lower max_new_tokens \(default 20\)"):
                 llama.generate(ids, attention_mask=mask, do_sample=False)
+            # the error names the setting that set the length, as the caller gave it
+            with pytest.raises(ValueError, match=r"reaches 40 tokens, .* lower max_length=40$"):
+                llama.generate(ids, attention_mask=mask, max_length=40, do_sample=False)
+            config.max_length = 40  # a generation config's max_length counts as the caller's
+            with pytest.raises(ValueError, match=r"reaches 40 tokens, .* lower max_length=40$"):
+                llama.generate(ids, attention_mask=mask, do_sample=False)
+            config.max_length = None
+            with pytest.raises(ValueError, match=r"reaches 40 tokens, .* lower max_new_tokens=24$"):
+                llama.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
         assert calls == []
         assert llama.generate(ids[:, 4:], attention_mask=mask[:, 4:], do_sample=False).shape[1] == 32  # 12 + 20 fits
     finally:
