@@ -66,7 +66,8 @@ def ranks(tmp_path_factory):
     }
     (tmp / "reference.json").write_text(json.dumps(reference))
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}  # the CPU / gloo path, even on a GPU box
+    # the CPU / gloo path, even on a GPU box; torchrun's own temporary folders go under the test's, not the system's
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(Path(__file__).with_name("tp_worker.py")), str(tmp / "llama"), str(tmp / "mqa"),
            str(tmp / "reference.json"), str(tmp)]
@@ -190,7 +191,7 @@ def test_readme_snippet_under_torchrun(tmp_path):
     script.write_text(f"path = {str(tmp_path / 'model')!r}\nprompts = {prompts!r}\n" + snippet
                       + "import json, torch.distributed as dist\n"
                       + f"open({str(tmp_path)!r} + f'/rank{{dist.get_rank()}}.json', 'w').write(json.dumps(out.tolist()))\n")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
