@@ -452,13 +452,22 @@ class DecodeGraphRunner:
                     self._mempool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
                 before = torch.cuda.current_stream()
+                interrupted = None
                 try:
                     with torch.cuda.graph(graph, pool=self._mempool):
-                        static_out = self._forward(bucket, cache, kwargs, state, gstep)
+                        try:
+                            static_out = self._forward(bucket, cache, kwargs, state, gstep)
+                        except BaseException as inner:
+                            if not isinstance(inner, Exception):  # Ctrl-C, SystemExit: the caller's
+                                interrupted = inner
+                            raise
                     for name in ("cache", "past_key_values"):  # (each replay hands back the step's own cache; the
                         if static_out.get(name) is not None:  # capture's would keep its pool alive)
                             static_out[name] = None
                 except RuntimeError as e:  # (torch's AcceleratorError is one too)
+                    if interrupted is not None:  # ending the capture failed on it: no refusal of CUDA's
+                        torch.cuda.set_stream(before)
+                        raise interrupted from None
                     self._refused(bucket, e, before)
         finally:
             if collecting:

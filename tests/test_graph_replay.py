@@ -283,6 +283,38 @@ def test_once_the_host_read_is_gone_the_next_call_captures(captured):
         assert runner.uncapturable is None and runner.captured == [4] and runner.replays == 5
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_a_ctrl_c_during_a_capture_reaches_the_caller_and_refuses_nothing(captured, interrupt):
+    # the stand-in fails ending a capture whose body raised, as CUDA may: the interrupt was taken for CUDA refusing
+    # the step, swallowed, and every later decode step of the model ran eagerly (the graphs already captured too)
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    one, three = left_padded_batch([4], seed=7), left_padded_batch([4, 2, 6], seed=7)
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    want = [stock.generate(ids, attention_mask=mask, **kw) for ids, mask in (one, three)]
+    armed, mlp = [False], model.model.layers[0].mlp
+
+    def interrupted(x, _forward=mlp.forward):  # (a Ctrl-C arriving while the graph is recorded)
+        if armed[0] and torch.cuda.is_current_stream_capturing():
+            raise interrupt()
+        return _forward(x)
+
+    mlp.forward = interrupted
+    stream = torch.cuda.current_stream()
+    with _patched(model):
+        assert torch.equal(model.generate(one[0], attention_mask=one[1], **kw), want[0])
+        armed[0] = True
+        with pytest.raises(interrupt):
+            model.generate(three[0], attention_mask=three[1], **kw)
+        armed[0] = False
+        runner = _runner(model)
+        assert torch.cuda.current_stream() is stream and runner.uncapturable is None
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+        for (ids, mask), w in zip((three, one), want[::-1]):
+            assert torch.equal(model.generate(ids, attention_mask=mask, **kw), w)
+        # both buckets replay (4 decode steps, and the last token of a prompt met whole in the prefix cache)
+        assert runner.captured == [1, 4] and [g.replays for g in captured] == [4 + 5, 5]
+
+
 @pytest.mark.parametrize("first", ["a tuple asked for", "generate()"])
 def test_a_decode_step_that_asks_for_a_tuple_gets_one_and_leaves_no_broken_graph(captured, first):
     # a graph hands back the output it was captured with: a tuple step captured the bucket (and every later call of
