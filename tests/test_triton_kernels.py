@@ -108,6 +108,42 @@ def test_extend_matches_reference(case, groups, variant, memory):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("softcap", [50.0, 1e4, 1e6])
+@pytest.mark.parametrize("kernel", ["decode", "extend"])
+def test_a_large_softcap_keeps_the_scores_exact(softcap, kernel):
+    # tanh as 2 / (1 + exp(-2x)) - 1 cancels near 0: softcap 1e4 had erred by 1e-3, 1e6 by 0.1
+    _kernel_against_reference(kernel, dict(scaling=0.35, softcap=softcap))
+
+
+@pytest.mark.parametrize("window", [2.5, 3.0, 0.5])
+@pytest.mark.parametrize("kernel", ["decode", "extend"])
+def test_a_window_not_a_whole_number_selects_the_references_keys(window, kernel):
+    # keys t > q - 2.5 are the reference's (transformers' mask's); the kernels had truncated the window to 2
+    _kernel_against_reference(kernel, dict(scaling=0.35, sliding_window=window))
+
+
+def _kernel_against_reference(kernel: str, kw: dict) -> None:
+    H_kv, D, groups = 2, 8, 3
+    if kernel == "decode":
+        seq = [1, 5, 12, 9]
+        k_cache, v_cache, _, _, meta, _ = _build([s - 1 for s in seq], [1] * len(seq), 1, H_kv, D, PAGE,
+                                                 torch.float32, 7)
+        query = torch.randn(len(seq), H_kv * groups, 1, D, generator=torch.Generator().manual_seed(1))
+        want = paged_attention(query, k_cache, v_cache, meta, **kw)[:, 0]
+        got = tk.decode_attention(query[:, :, 0].contiguous(), k_cache, v_cache, meta.table, meta.req_rows,
+                                  torch.tensor(seq, dtype=torch.int32), **kw)
+    else:
+        prev, new = [0, 3, 9], [5, 2, 4]
+        k_cache, v_cache, _, _, meta, _ = _build(prev, new, max(new), H_kv, D, PAGE, torch.float32, 3)
+        packed = meta.pack()
+        query = torch.randn(1, H_kv * groups, sum(new), D, generator=torch.Generator().manual_seed(2))
+        want = packed_paged_attention(query, k_cache, v_cache, packed, **kw)[0]
+        got = tk.extend_attention(query[0].transpose(0, 1).contiguous(), k_cache, v_cache, meta.table,
+                                  meta.req_rows, torch.tensor(packed.seq_lens, dtype=torch.int32),
+                                  torch.tensor(packed.qo_indptr, dtype=torch.int32), max(new), **kw)
+    torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("D", [12, 20])
 def test_head_dims_that_are_not_a_power_of_two(D):
     # (Phi-2's 80, 96, 72: the kernels pad the head to a power of two and mask the rest)

@@ -18,6 +18,7 @@ as lengths grow.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -69,7 +70,7 @@ def _check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         raise ValueError(f"query has {H} heads, not a multiple of the cache's {H_kv} KV heads")
     if not query.is_contiguous():
         raise ValueError(f"query of shape {tuple(query.shape)} must be contiguous, got strides {query.stride()}")
-    if sliding_window is not None and sliding_window < 1:
+    if sliding_window is not None and not sliding_window > 0:  # (NaN too)
         raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
     for name, t in index.items():
         entries = batch + 1 if name == "qo_indptr" else batch
@@ -88,6 +89,13 @@ def _is_int(value) -> bool:
 
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _window(sliding_window) -> int:
+    """The window as the kernels take it (0: none). Keys ``t > q - sliding_window`` are the reference's (and
+    transformers' mask's); for integer ``t`` and ``q`` those are ``t > q - ceil(sliding_window)``, so a window
+    that is not a whole number (a config's 2.5) selects the same keys on both paths."""
+    return math.ceil(sliding_window) if sliding_window is not None else 0
 
 
 def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes=(torch.float32,)) -> None:
@@ -121,6 +129,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     stride_slot, stride_head = _cache_strides(k_cache, v_cache)
     _store_kv_kernel[(n, H_kv)](key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping.contiguous(),
                                 stride_slot, stride_head, H_KV=H_kv, D=D, BLOCK_D=triton.next_power_of_2(D))
+
+
+@triton.jit
+def _soft_capped(s, softcap):
+    """``softcap * tanh(s / softcap)`` (Gemma 2's logit soft-capping). Near 0, where ``2 / (1 + exp(-2x)) - 1`` loses
+    digits to cancellation (an absolute error of about ``softcap * 1e-7`` in float32), a Taylor polynomial of tanh
+    gives it, its error below 1e-9 relative for ``|x| < 0.125``."""
+    x = s / softcap
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))))
+    return softcap * tl.where(tl.abs(x) < 0.125, series, 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)
 
 
 @triton.jit
@@ -167,7 +186,7 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [BLOCK_G, BLOCK_N]
         if USE_SOFTCAP:
-            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
+            s = _soft_capped(s, softcap)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -273,7 +292,7 @@ def decode_attention(
     _check_buffer("workspace[1] (mid_lse)", mid_lse, (B, H, num_splits))
     _decode_split_kernel[(B, H_kv, num_splits)](
         query, k_cache, v_cache, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
-        float(scaling), float(softcap or 1.0), int(sliding_window or 0),
+        float(scaling), float(softcap or 1.0), _window(sliding_window),
         req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, D=D, GROUP=group,
         NUM_SPLITS=num_splits,
         BLOCK_G=max(triton.next_power_of_2(group), 2), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
@@ -330,7 +349,7 @@ def _extend_kernel(
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [BLOCK_M, BLOCK_N]
         if USE_SOFTCAP:
-            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+            s = _soft_capped(s, softcap)
         visible = t_mask[None, :] & (t[None, :] <= pos[:, None])
         if USE_WINDOW:
             visible = visible & (t[None, :] > pos[:, None] - window)
@@ -396,7 +415,7 @@ def extend_attention(
     grid = (B, H, triton.cdiv(max_q_len, BLOCK_M))
     _extend_kernel[grid](
         query, k_cache, v_cache, req_to_token, req_rows, seq_lens, qo_indptr, out,
-        float(scaling), float(softcap or 1.0), int(sliding_window or 0),
+        float(scaling), float(softcap or 1.0), _window(sliding_window),
         req_to_token.stride(0), *_cache_strides(k_cache, v_cache), H=H, D=D, GROUP=H // H_kv,
         BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=16,
         USE_SOFTCAP=softcap is not None, USE_WINDOW=sliding_window is not None,
