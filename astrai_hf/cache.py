@@ -590,7 +590,9 @@ class PagedCache(Cache):
             CacheFullError: the pool has too few free (or evictable) pages or request rows; the cache is released
                 first.
             ValueError: a row would exceed ``max_seq_len``, the batch size changed, or the padding differs from the
-                prompt's the cache was built with; the cache is released first.
+                prompt's the cache was built with; the cache is released first, except where a row holding
+                tokens would exceed ``max_seq_len``: that step is refused before anything changes, and the cache
+                keeps its columns.
 
         Under tensor parallelism (a pool bound to a ``tp_plan`` model) the ranks agree on the outcome with one
         all-reduce of 5 integers: when planning fails on any rank, every rank releases its cache and raises (see
@@ -599,8 +601,14 @@ class PagedCache(Cache):
         if given_positions is None:
             given_positions = position_ids
         if (not self._first_step_planned and self.logical_len
-                and self._refeeds_prompt(q_len, input_ids, given_positions, attention_mask)):
+                and self._refeeds_prompt(q_len, input_ids, given_positions, attention_mask, paged)):
             # (assisted and prompt-lookup generate() on an unpatched model feed the whole prompt themselves)
+            continuation = (
+                "for new columns that repeat the prompt's tokens, pass an attention_mask over every column or their "
+                "position_ids" if paged else
+                f"an unpatched model's cache cannot tell {q_len} new columns after the cached ones from the prompt "
+                "fed again: it sees neither their ids nor whether their positions were given; for those, build the "
+                "cache with prefix_cache=False, or patch the model")
             unpatched = "" if paged else (
                 "; assisted and prompt-lookup generate() on an unpatched model feed the whole prompt whatever the "
                 "cache holds: for them, build the cache with prefix_cache=False, or patch the model")
@@ -608,8 +616,7 @@ class PagedCache(Cache):
                 f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {q_len} columns from the "
                 f"prefix cache, and the first forward feeds all {q_len} again (they would be stored twice); feed "
                 "input_ids[:, cache.get_seq_length():], as generate() does, or build the cache with prefix_cache=False "
-                "(for new columns that repeat the prompt's tokens, pass an attention_mask over every column or their "
-                f"position_ids){unpatched}"
+                f"({continuation}){unpatched}"
             )
         if self.prefilled_from_prefix_cache and not self.made_by_generate:
             self._check_prefilled_positions(q_len, given_positions, paged)
@@ -626,28 +633,35 @@ class PagedCache(Cache):
                 )
             self._rows.reusable = False
         step, failed = None, None
+        refused = self._past_max_seq_len(q_len)  # (before anything changes: the cache keeps what it holds)
         with self.pool.books():
+            if refused is None:
+                try:
+                    step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged,
+                                      defer_writes, rows_differ)
+                except BaseException as e:  # an interrupt too: pages taken for this step are in no row yet
+                    failed = e
             try:
-                step = self._plan(batch_size, q_len, position_ids, attention_mask, input_ids, paged, defer_writes,
-                                  rows_differ)
-            except BaseException as e:  # an interrupt too: pages taken for this step are in no row yet
-                failed = e
-            try:
-                agree(self.pool.ranks, failed)
+                agree(self.pool.ranks, failed or refused)
             except BaseException:
-                self.release()
+                if refused is None:
+                    self.release()
                 raise
         self._step, self._step_layers = step, set()
         self.step_saw_positions = False  # whether the layers passed update() this step's position_ids
         return step
 
     def _refeeds_prompt(self, q_len: int, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                        attention_mask: torch.Tensor | None = None) -> bool:
+                        attention_mask: torch.Tensor | None = None, paged: bool = True) -> bool:
         """Whether a pre-filled cache's first forward feeds the whole prompt it was built with again, judged by
         what the forward gives, in this order: a mask over the cached columns and these (a continuation);
         positions, [B or 1, q_len], ending where the prompt's own end (the prompt again: the mask's count, or
         ``arange``) or where the columns after the cached ones end (a continuation); the prompt's tokens. A longer
-        prompt whose uncached columns happen to be as many, even holding the same tokens, is not refused."""
+        prompt whose uncached columns happen to be as many, even holding the same tokens, is not refused.
+
+        Unpatched (``paged`` False), positions that continue the cached columns tell nothing: from transformers
+        5.24 the layers hand ``update()`` the positions the model counted from ``get_seq_length()`` when the
+        caller gave none, which are those for the prompt fed again too; and the ids are not seen."""
         if q_len != self._prompt_width:
             return False
         pads, prompt, L = self._prompt_pads, self._prompt_ids, self.logical_len
@@ -659,7 +673,7 @@ class PagedCache(Cache):
             last = [row[-1] for row in rows]
             if all(pos in (q_len - 1 - p, q_len - 1) for pos, p in zip(last, pads)):
                 return True  # the prompt's own positions
-            if all(pos == L - p + q_len - 1 for pos, p in zip(last, pads)):
+            if (paged or input_ids is not None) and all(pos == L - p + q_len - 1 for pos, p in zip(last, pads)):
                 return False  # the positions after the cached columns
         if input_ids is not None and input_ids.dim() == 2 and input_ids.shape[0] % len(prompt) == 0:
             group = input_ids.shape[0] // len(prompt)
@@ -751,6 +765,30 @@ class PagedCache(Cache):
                     )
         self._first_step_planned = True
 
+    def _too_long(self, row: int, tokens: int) -> ValueError:
+        hint = (
+            "; prompt lookup and assisted decoding store candidate tokens past the generation length before "
+            "verifying them, so leave the pool's max_seq_len room for them"
+            if self.verifies_candidates else ""
+        )
+        return ValueError(
+            f"row {row} would hold {tokens} tokens, more than the pool's max_seq_len={self.pool.max_seq_len}{hint}"
+        )
+
+    def _past_max_seq_len(self, q: int) -> ValueError | None:
+        """The error for a step of ``q`` columns that would take a row already holding tokens past the pool's
+        ``max_seq_len`` (a draft too long for a speculative loop), found before anything changes: the cache keeps
+        its columns, as a stock cache does after a refused forward. Rows with no token yet are checked by
+        ``_plan``, where the step's mask may show them more padding."""
+        pads, start = self._num_pad, self.logical_len
+        over = start + q - self.pool.max_seq_len  # a row of fewer pads than this goes past (none, in most steps)
+        if over <= 0 or not start or pads is None or not self._rows.req_rows:
+            return None
+        for r, p in enumerate(pads):
+            if p < start and p < over:
+                return self._too_long(r, start + q - p)
+        return None
+
     def _plan(self, B, q, position_ids, attention_mask, input_ids, paged, defer_writes=False,
               rows_differ=False) -> StepMetadata:
         if self.returned_by_generate:
@@ -795,14 +833,7 @@ class PagedCache(Cache):
         seq = [max(0, end - p) for p in self._num_pad]
         for r, s in enumerate(seq):
             if s > pool.max_seq_len:
-                hint = (
-                    "; prompt lookup and assisted decoding store candidate tokens past the generation length "
-                    "before verifying them, so leave the pool's max_seq_len room for them"
-                    if self.verifies_candidates else ""
-                )
-                raise ValueError(
-                    f"row {r} would hold {s} tokens, more than the pool's max_seq_len={pool.max_seq_len}{hint}"
-                )
+                raise self._too_long(r, s)
         if not rows.req_rows:
             pool.make_room_for_rows(Bp)
             rows.req_rows = pool.req_to_token.alloc(Bp)

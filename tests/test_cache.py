@@ -1,5 +1,6 @@
 """PagedCache bookkeeping: page boundaries, no padding stored, no leaks, pool exhaustion, bad input."""
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -201,9 +202,34 @@ def test_unpatched_cache_refuses_a_row_past_max_seq_len(llama):
     pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_seq_len=10)
     ids, mask = left_padded_batch([6, 8])
     cache = PagedCache(pool)
-    with pytest.raises(ValueError, match="max_seq_len=10"):
+    # (before transformers 5.24 an unpatched cache sees no positions, so it counts the padding as tokens: row 0)
+    row = 1 if Version(transformers.__version__) >= Version("5.24") else 0
+    with pytest.raises(ValueError, match=f"row {row} would hold 11 tokens, more than the pool's max_seq_len=10"):
         llama.generate(ids, attention_mask=mask, max_new_tokens=8, **{_kw(llama): cache})
+    # the step was refused before anything changed: the cache keeps the 10 columns it held, as a stock cache keeps
+    # its own after a forward that raised, until it is released
+    assert cache.get_seq_length() == 10 and pool.stats()["num_used_pages"] > 0
+    cache.release()
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_refused_draft_past_max_seq_len_leaves_a_hand_loop_cache_as_it_was(llama):
+    # a speculative loop falling back to a shorter draft: the cache had been emptied by the refusal, and the next
+    # forward ran as if its token were fed alone
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE, max_seq_len=16)
+    ids = torch.arange(3, 15)[None]
+    want = llama(torch.cat([ids, torch.tensor([[20]])], 1)).logits[:, -1]
+    for patched in (False, True):
+        with astrai_hf.patched(llama, pool=pool) if patched else contextlib.nullcontext():
+            cache = PagedCache(pool, prefix_cache=False)
+            llama(ids, past_key_values=cache)
+            with pytest.raises(ValueError, match="row 0 would hold 18 tokens, more than the pool's max_seq_len=16"):
+                llama(torch.arange(20, 26)[None], past_key_values=cache)
+            assert cache.get_seq_length() == 12
+            got = llama(torch.tensor([[20]]), past_key_values=cache).logits[:, -1]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            cache.release()
+        assert pool.stats()["num_used_pages"] == 0
 
 
 def test_right_padding_is_refused_with_a_clear_error(llama):

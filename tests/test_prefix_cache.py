@@ -600,14 +600,8 @@ def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt
     # a cache built with a 9-token system prompt holds its first 8 columns; a 17-token prompt starting with it
     # leaves 9 to compute, as many as the system prompt: that is a continuation, not the prompt fed again, even
     # when those 9 are the system prompt's very tokens (a prompt repeating one token), which had been refused
-    import transformers
-    from packaging.version import Version
     from transformers import DynamicCache
 
-    if not patched and Version(transformers.__version__) < Version("5.24"):
-        # an unpatched model's cache sees the forward only through update(), which 5.17 hands no positions: with
-        # neither ids nor positions it cannot tell the two apart, and refuses (a patched forward hands it the ids)
-        pytest.skip("this transformers release hands update() no position_ids")
     pool = _pool(llama, max_tokens=256, page_size=4)
     system = torch.full((1, 9), 7) if repeating else _tokens(9, seed=52)[None]
     _generate(llama, pool, system, torch.ones_like(system), max_new_tokens=2)
@@ -615,6 +609,19 @@ def test_a_longer_prompt_whose_uncached_columns_are_as_many_as_the_cached_prompt
     with contextlib.ExitStack() as stack:
         if patched:
             stack.enter_context(astrai_hf.patched(llama, pool=pool))
+        if not patched:
+            # an unpatched model's cache sees the forward only through update(): neither the ids nor the mask, and
+            # positions the model counts from get_seq_length() when none are given, which are those of the prompt
+            # fed again too (from 5.24; none before); it cannot tell the two apart, and refuses both
+            with PagedCache(pool, system, torch.ones_like(system)) as cache:
+                start = cache.get_seq_length()
+                prompt = torch.cat([system, system[:, :start] if repeating else _tokens(start, seed=53)[None]], 1)
+                with pytest.raises(ValueError, match="cannot tell 9 new columns after the cached ones from the prompt "
+                                                     "fed again.*prefix_cache=False, or patch the model"):
+                    llama(input_ids=prompt[:, start:], attention_mask=ones, **{_kw(llama): cache})
+                assert cache.get_seq_length() == start
+            _assert_pool_idle(pool)
+            return
         with PagedCache(pool, system, torch.ones_like(system)) as cache:
             start = cache.get_seq_length()
             assert start == 8
@@ -1092,6 +1099,31 @@ def test_prompt_lookup_again_on_an_unpatched_model_says_what_to_do():
         assert cache.get_seq_length() > 0
         with pytest.raises(ValueError, match="prompt-lookup generate.. on an unpatched model feed the whole prompt"):
             model.generate(ids, **kw, **{_kw(model): cache})
+    _assert_pool_idle(pool)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("patched", [False, True])
+def test_the_whole_prompt_fed_again_to_a_pre_filled_cache_without_positions_is_refused(arch, patched):
+    # scoring a prompt by hand a second time: from transformers 5.24 an unpatched model hands update() the positions
+    # it counts from get_seq_length(), which read as a continuation; the prompt was stored twice, wrong logits
+    model = tiny_model(arch)
+    pool = _pool(model, max_tokens=1024, page_size=4)
+    ids, mask = left_padded_batch([6], seed=2)
+    want = model(ids, attention_mask=mask).logits[:, -1]
+    with astrai_hf.patched(model, pool=pool) if patched else contextlib.nullcontext():
+        with PagedCache(pool, ids, mask, model=model) as cache:
+            model(input_ids=ids, attention_mask=mask, **{_kw(model): cache})
+        with PagedCache(pool, ids, mask, model=model) as cache:
+            L = cache.get_seq_length()
+            assert L == 5
+            with pytest.raises(ValueError, match=r"pre-filled with 5 of the prompt's 6 columns"):
+                model(input_ids=ids, attention_mask=mask, **{_kw(model): cache})
+            assert cache.get_seq_length() == L  # (refused before anything changed)
+            # the way the error names
+            got = model(input_ids=ids[:, L:], attention_mask=mask, **{_kw(model): cache}).logits[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     _assert_pool_idle(pool)
 
 
