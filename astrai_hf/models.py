@@ -176,6 +176,7 @@ def embedded_model_path() -> Path:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.save_pretrained(tmp)
+        _as_readable_as_config(tmp)
         if _converted(target):  # another process finished first: its copy is as good
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -205,12 +206,32 @@ def _special_tokens_as_in_config(tokenizer, config) -> None:
             setattr(tokenizer, f"{kind}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
+def _as_readable_as_config(folder: Path) -> None:
+    """Give every file of a converted copy the permissions of its ``config.json`` (a plain write under the
+    process's umask, 0644 by default). transformers saves ``model.safetensors`` private (0600), so a cache folder
+    shared between users, or baked into an image by another user, held weights no one else could read. Files this
+    process may not change are left as they are."""
+    try:
+        mode = (folder / "config.json").stat().st_mode & 0o777
+    except OSError:
+        return
+    for f in folder.iterdir():
+        try:
+            if f.is_file() and not f.is_symlink() and f.stat().st_mode & 0o777 != mode:
+                f.chmod(mode)
+        except OSError:  # (another user's file)
+            pass
+
+
 def _repair_converted_copy(folder: Path) -> None:
     """Mend the ``tokenizer_config.json`` of a converted copy that earlier releases wrote: ``padding_side: "left"``
     where it lacks it (those loaded padding on the right), and the BOS, EOS and padding tokens of the model's
     ``config.json`` where the tokenizer's differ (a copy converted on transformers 5.17 named SmolLM2's EOS and
-    padding ``<|im_start|>``; see :func:`_special_tokens_as_in_config`). Rewritten only when something changes."""
+    padding ``<|im_start|>``; see :func:`_special_tokens_as_in_config`). Rewritten only when something changes.
+    Files saved private by earlier releases get ``config.json``'s permissions (:func:`_as_readable_as_config`)."""
     import json
+
+    _as_readable_as_config(folder)
 
     path = folder / "tokenizer_config.json"
     settings = json.loads(path.read_text())

@@ -199,3 +199,17 @@ def test_a_gguf_file_loads_as_the_converted_folder_does(smollm, tmp_path):
     assert torch.equal(inputs["input_ids"], _batch(tokenizer)["input_ids"])
     for a, b in zip(gguf_model.state_dict().values(), model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_weights_saved_private_get_the_permissions_of_the_rest_of_the_copy(smollm, tmp_path):
+    # transformers saves model.safetensors 0600: a cache folder shared between users held weights only its
+    # writer could read
+    from astrai_hf.models import _repair_converted_copy
+
+    old = _stale_copy(tmp_path)
+    (old / "model.safetensors").unlink()  # (a symlink to the real copy) -> a file of its own, saved private
+    (old / "model.safetensors").write_bytes(b"weights")
+    (old / "model.safetensors").chmod(0o600)
+    (old / "config.json").chmod(0o644)
+    _repair_converted_copy(old)
+    assert {f.name: f.stat().st_mode & 0o777 for f in old.iterdir()}["model.safetensors"] == 0o644
