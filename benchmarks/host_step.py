@@ -145,7 +145,8 @@ def _measure(batches, new_tokens: int, runs: int) -> dict:
         @functools.wraps(model.forward)  # (generate() reads the forward's signature)
         def free_forward(*args, **kwargs):
             cache = kwargs.get("past_key_values", kwargs.get("cache"))
-            return CausalLMOutputWithPast(logits=logits.clone(), past_key_values=cache)
+            # (the output's field is named as generate()'s keyword: "cache" from transformers 5.24)
+            return CausalLMOutputWithPast(logits=logits.clone(), **{astrai_hf.cache_kwarg(model): cache})
 
         model.forward = free_forward
         try:
