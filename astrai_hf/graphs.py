@@ -119,6 +119,11 @@ class DecodeWorkspace:
 
 # forward arguments (and config fields) asking for outputs besides the logits
 _OTHER_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+# the forward arguments a replay serves: the workspace's inputs, the cache, and settings can_run() checks; any other
+# (token_type_ids, the cache_position transformers 5.17 makes for remote code, an argument of the caller's) would
+# be read as it was at the capture, at the bucket's size, every replay
+_REPLAYED_KWARGS = frozenset(("input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache",
+                              "return_dict", "logits_to_keep", *_OTHER_OUTPUTS))
 
 
 class GraphStep:
@@ -286,7 +291,9 @@ class DecodeGraphRunner:
         return entry is not None and entry[0] is not None
 
     def can_run(self, step: StepMetadata, kwargs: dict, input_ids) -> bool:
-        """A one-token-per-row step of a plain forward that fits a bucket."""
+        """A one-token-per-row step of a plain forward that fits a bucket: besides the inputs the workspace holds
+        (ids, positions; the mask is the cache's), no forward argument but the cache, ``use_cache``,
+        ``return_dict`` and ``logits_to_keep=1`` (a step with token types, say, runs eagerly)."""
         if self.workspace is None or input_ids is None or input_ids.shape[1] != 1 or step.is_packed:
             return False
         if self.length_readers or self.uncapturable is not None:
@@ -295,6 +302,9 @@ class DecodeGraphRunner:
             return False
         if not last_logits_only(kwargs):
             return False
+        for name, value in kwargs.items():
+            if value is not None and name not in _REPLAYED_KWARGS:
+                return False
         model = self.model
         # outputs besides the logits (asked for by the call or by the config): a graph hands back those of its
         # capture, of the bucket's rows (the config's fields read from its dict, where it keeps them, some behind a

@@ -472,6 +472,25 @@ def test_mrope_positions_of_a_text_call_run_the_decode_steps_eagerly(captured):
         assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("lengths", [[4, 7, 5], [4, 7, 5, 2]])  # padded to bucket 4; bucket 4 itself
+def test_token_types_fed_every_decode_step_run_the_steps_eagerly(captured, lengths):
+    # generate() hands GPT-2 the token types (zeros too add an embedding) afresh each step: the capture kept the
+    # first step's, of the batch's rows (a batch padded to its bucket failed on the shapes; on CUDA a replay read
+    # the freed tensor of the capture's step)
+    stock, model = tiny_model("gpt2"), tiny_model("gpt2")
+    ids, mask = left_padded_batch(lengths, seed=2)
+    # (all zeros: read as plain text, so the call is paged; other types leave the patched path)
+    kw = dict(attention_mask=mask, token_type_ids=torch.zeros_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = stock.generate(ids, **kw)
+    with _patched(model):
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert captured == [] and all(r.replays == 0 for r in model._astrai_patch_state.runners.values())
+        # without them the same model replays
+        kw.pop("token_type_ids")
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        assert _runner(model).replays == 5
+
+
 @pytest.mark.parametrize("unplanned", ["output_attentions", "a hole in the mask"])
 def test_a_forward_the_runner_does_not_run_after_replays_plans_its_own_step(captured, unplanned):
     # a replay runs no Python: the cache still held the replayed step with no layer stored, and the next forward
