@@ -54,6 +54,8 @@ class PatchState:
     rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
     embeds_token_types: bool = True  # token types (zeros too) enter the embeddings: no prefix reuse with them
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
+    # during a paged forward: the attention implementation each of attn_configs selects outside it
+    own_implementations: list = field(default_factory=list)
     # id(attention module) -> the sliding window its config gives, where the module's own attribute disagrees
     windows: dict = field(default_factory=dict)
     # the sizing patch() built the default pool with (None: the caller gave the pool); such a pool is rebuilt when
@@ -1230,7 +1232,7 @@ def paged_attention_on(state: PatchState, step, pool: PagePool) -> Iterator[None
     """Within the block, the patched model's attention modules run paged attention over ``pool`` for ``step``;
     their own attention implementation is restored on exit."""
     previous = [c._attn_implementation_internal for c in state.attn_configs]
-    state.step, state.step_pool = step, pool
+    state.step, state.step_pool, state.own_implementations = step, pool, previous
     for c in state.attn_configs:
         c._attn_implementation_internal = attention.ATTENTION_NAME
     try:

@@ -142,3 +142,30 @@ def test_patched_falcon_equals_stock_where_its_attention_goes_through_the_interf
     outs = _patched_calls(model, pool, monkeypatch, lambda: _generate(model, ids, mask, **MODES[mode]), calls=2)
     assert all(torch.equal(out, ref) for out in outs)
     assert pool.stats()["prefix_hit_tokens"] > 0 and pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("implementation", ["default", "eager"])
+def test_gemma2_with_large_attention_logits_equals_stock_under_its_attention(implementation):
+    # stock sdpa drops the attention logit softcap (Gemma 2's default before transformers 5.24, which refuses sdpa
+    # for it since): paged attention applied it, and tokens differed from stock once the logits reach the cap
+    def build():
+        model = tiny_model("gemma2")
+        if implementation == "eager":
+            model.set_attn_implementation("eager")
+        with torch.no_grad():  # logits well past the softcap of 5
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(20)
+                layer.self_attn.k_proj.weight.mul_(20)
+        return model
+
+    stock, model = build(), build()
+    ids, mask = left_padded_batch([20, 13], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    want = stock.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    with astrai_hf.patched(model, pool):
+        got = model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences), model.config._attn_implementation
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-4, atol=1e-4)
+    assert pool.stats()["num_used_pages"] == 0
