@@ -54,6 +54,9 @@ class PatchState:
     rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
     embeds_token_types: bool = True  # token types (zeros too) enter the embeddings: no prefix reuse with them
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
+    # modules whose forward changes in training mode (mode_sensitive_modules), read again at each call
+    dropout_modules: list = field(default_factory=list)
+    checkpointing_modules: list = field(default_factory=list)
     # during a paged forward: the attention implementation each of attn_configs selects outside it
     own_implementations: list = field(default_factory=list)
     # id(attention module) -> the sliding window its config gives, where the module's own attribute disagrees
@@ -282,6 +285,7 @@ def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefil
         own_pool_kwargs=own_pool_kwargs,
     )
     state.checked_pools.add(id(pool))
+    state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)
     _install(model, state, modules)
     logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
                 "on" if state.packable and pack_prefill else "off")
@@ -1043,13 +1047,13 @@ def _wrap_forward(owner, forward, state: PatchState):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
             return forward(*args, **kwargs)
-        if model.training and dropout_active(model) or _own_attention(state) is not None:
+        if dropout_active(state.dropout_modules) or _own_attention(state) is not None:
             # training mode with dropout: the model's own attention applies its dropout (paged attention has none);
             # an attention function of the caller's (AttentionInterface.register) computes what it computes. Either
             # runs over K/V gathered from the pool, and its K/V are no prefix for a later prompt
             cache._rows.reusable = False
             return forward(*args, **kwargs)
-        if checkpointing_drops_cache(model):
+        if checkpointing_drops_cache(state.checkpointing_modules):
             # gradient checkpointing in training mode: transformers hands the layers no cache, so the model runs as
             # stock does then, on the inputs alone, and stores nothing (paged attention would read unwritten slots)
             cache._rows.reusable = False
@@ -1164,11 +1168,32 @@ def _custom_mask(kwargs: dict, check_token_types: bool = True) -> bool:
     return check_token_types and any(isinstance(kwargs.get(name), torch.Tensor) and bool(kwargs[name].any()) for name in _TOKEN_TYPES)
 
 
-def dropout_active(model: torch.nn.Module) -> bool:
-    """Whether a module of ``model`` in training mode drops out: an ``nn.Dropout`` (any kind) with ``p > 0``, or a
-    float attribute whose name has ``dropout`` in it (``attention_dropout``, ``self.dropout`` handed to
-    ``F.dropout``) above 0."""
+def mode_sensitive_modules(model: torch.nn.Module) -> tuple[list, list]:
+    """The modules of ``model`` whose forward changes in training mode, for :func:`dropout_active` and
+    :func:`checkpointing_drops_cache` to read their ``training`` flags (one walk of the model, made once per call:
+    reading every module's flag each forward would cost a walk a step).
+
+    Returns:
+        ``(dropout, checkpointing)``: every ``nn.Dropout`` (any kind) and every module with a float attribute whose
+        name has ``dropout`` in it, whatever its value; every module with ``gradient_checkpointing`` set.
+    """
+    dropout, checkpointing = [], []
     for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) or any(
+                "dropout" in name and type(value) in (float, int) for name, value in vars(m).items()):
+            dropout.append(m)
+        if getattr(m, "gradient_checkpointing", False) is True:
+            checkpointing.append(m)
+    return dropout, checkpointing
+
+
+def dropout_active(modules) -> bool:
+    """Whether one of ``modules`` (a model's first list from :func:`mode_sensitive_modules`) is in training mode
+    and drops out: an ``nn.Dropout`` with ``p > 0``, or a float attribute whose name has ``dropout`` in it
+    (``attention_dropout``, ``self.dropout`` handed to ``F.dropout``) above 0. Each module's own flag counts: a
+    layer put in training mode in a model in eval mode (``model.eval(); model.model.layers[0].train()``) drops out
+    in stock's forward."""
+    for m in modules:
         if not m.training:
             continue
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
@@ -1181,13 +1206,12 @@ def dropout_active(model: torch.nn.Module) -> bool:
     return False
 
 
-def checkpointing_drops_cache(model: torch.nn.Module) -> bool:
-    """Whether a layer of ``model`` runs gradient checkpointing in a forward now (training mode after
-    ``gradient_checkpointing_enable()``): transformers hands such a layer no cache (releases before 5.24 also
-    without grad mode), so it neither stores its K/V nor reads any, and the model runs as without a cache."""
-    if not model.training:
-        return False
-    for m in model.modules():
+def checkpointing_drops_cache(modules) -> bool:
+    """Whether one of ``modules`` (a model's second list from :func:`mode_sensitive_modules`) runs gradient
+    checkpointing in a forward now (training mode after ``gradient_checkpointing_enable()``): transformers hands
+    such a layer no cache (releases before 5.24 also without grad mode), so it neither stores its K/V nor reads
+    any, and the model runs as without a cache."""
+    for m in modules:
         if getattr(m, "gradient_checkpointing", False) is not True or not m.training:
             continue
         if getattr(m, "_can_checkpoint_with_cache", False) is True:
@@ -1857,6 +1881,7 @@ def _sync_modules(model, state: PatchState) -> None:
         NotImplementedError: a new module is one ``patch()`` would have refused.
     """
     state.rope_by_length = rope_depends_on_length(model)
+    state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)  # (a Dropout added, ...)
     quantized = _dynamically_quantized(model)  # (quantize_dynamic(..., inplace=True) after patch())
     if quantized is not None:
         raise NotImplementedError(f"{type(model).__name__} (it changed since patch()): {quantized}; unpatch it")
@@ -2248,7 +2273,8 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     autocast = autocast_on(pool)
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
-    dropout = model.training and (dropout_active(model) or checkpointing_drops_cache(model))
+    dropout, checkpointing = mode_sensitive_modules(model)
+    dropout = dropout_active(dropout) or checkpointing_drops_cache(checkpointing)
     # a decoding loop of the caller's (custom_generate) may feed the whole prompt to the cache it is handed, which
     # on stock is always empty
     custom_loop = kwargs.get("custom_generate") is not None

@@ -930,6 +930,37 @@ def test_training_mode_dropout_runs_as_stock_and_fills_no_prefix():
     _assert_pool_idle(pool)
 
 
+@pytest.mark.parametrize("how", ["one layer in training mode", "a Dropout added after patch()"])
+def test_dropout_of_a_module_in_training_mode_in_a_model_in_eval_mode_runs_as_stock(how):
+    # partial fine-tuning puts some layers in training mode (model.eval(); layers[0].train()), and a module made
+    # after model.eval() starts in training mode: the model's own flag had decided, so paged attention (no dropout)
+    # ran and the K/V computed under dropout were cached and served
+    def build():
+        model = tiny_model("llama", max_position_embeddings=2048, attention_dropout=0.3).eval()
+        if how == "a Dropout added after patch()":
+            return model, lambda: setattr(model.model.layers[0].mlp, "act_fn", torch.nn.Sequential(
+                model.model.layers[0].mlp.act_fn, torch.nn.Dropout(0.3)))
+        return model, model.model.layers[0].train
+
+    ids, mask = _batch([_tokens(30, seed=26), _tokens(18, seed=27)])
+    stock, change = build()
+    change()
+    torch.manual_seed(0)
+    want = stock.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    model, change = build()
+    pool = _pool(model)
+    astrai_hf.patch(model, pool)
+    try:
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)  # an eval-mode prefix
+        change()
+        torch.manual_seed(0)
+        out, hit = _hits(pool, lambda: model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4))
+        assert hit == 0 and torch.equal(out, want)
+    finally:
+        astrai_hf.unpatch(model)
+    _assert_pool_idle(pool)
+
+
 def _scale_mlp_instance(model):
     for layer in model.model.layers:
         layer.mlp.forward = (lambda orig: (lambda x: orig(x) * 0.5))(layer.mlp.forward)
