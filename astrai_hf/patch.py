@@ -26,7 +26,7 @@ from .errors import CacheFullError
 from .graphs import CaptureRefused, DecodeGraphRunner
 from .interrupts import interrupts_deferred
 from .metadata import StepMetadata
-from .pool import PagePool, attention_modules, holds_tensor, unsupported_model
+from .pool import PagePool, attention_modules, attention_modules_in_place, holds_tensor, unsupported_model
 
 _STATE_ATTR = PATCH_STATE_ATTR
 logger = logging.getLogger(__name__)
@@ -1885,7 +1885,9 @@ def _sync_modules(model, state: PatchState) -> None:
     quantized = _dynamically_quantized(model)  # (quantize_dynamic(..., inplace=True) after patch())
     if quantized is not None:
         raise NotImplementedError(f"{type(model).__name__} (it changed since patch()): {quantized}; unpatch it")
-    modules = attention_modules(model, every_copy=True)
+    modules, reordered = attention_modules_in_place(model)
+    if reordered:  # (the same modules, in other places: their layer_idx may no longer give their kind of layer)
+        _check_attention_modules(model, modules, " (it changed since patch())")
     if [id(m) for m in modules] != [id(ref()) for ref in state.module_refs]:
         _check_attention_modules(model, modules, " (it changed since patch())")
         _check_not_shared(model, modules, state, " (it changed since patch())")

@@ -605,6 +605,20 @@ def attention_modules(model: torch.nn.Module, every_copy: bool = False) -> list[
     Vision and audio towers of a multimodal model (their attention modules may carry a ``layer_idx`` too) are left
     out: the decoder is ``model.get_decoder()`` where transformers finds one. With ``every_copy``, every module of a
     ``layer_idx`` (peft's ``modules_to_save`` keeps the original next to the copy that runs), else the first."""
+    found = _attention_by_layer_idx(model)
+    return [m for i in sorted(found) for m in (found[i] if every_copy else found[i][:1])]
+
+
+def attention_modules_in_place(model: torch.nn.Module) -> tuple[list[torch.nn.Module], bool]:
+    """``attention_modules(model, every_copy=True)``, and whether the modules come in another order than their
+    ``layer_idx`` in the model (layers reordered without renumbering), in one walk of the model."""
+    found = _attention_by_layer_idx(model)
+    order = list(found)
+    return [m for i in sorted(found) for m in found[i]], order != sorted(order)
+
+
+def _attention_by_layer_idx(model: torch.nn.Module) -> dict[int, list]:
+    """The modules :func:`attention_modules` finds, by ``layer_idx``, in the order the model holds them."""
     root = model
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
@@ -622,7 +636,7 @@ def attention_modules(model: torch.nn.Module, every_copy: bool = False) -> list[
         names = [k.__name__ for k in type(module).__mro__]  # a subclass of yours is named as it likes
         if any("Attention" in n for n in names) and "Cross" not in type(module).__name__:
             found.setdefault(idx, []).append(module)
-    return [m for i in sorted(found) for m in (found[i] if every_copy else found[i][:1])]
+    return found
 
 
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # of config.layer_types
@@ -680,6 +694,9 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
                     f"module's layer_idx to its place (0 to {present - 1})")
         return (f"its {where}, not 0 to {present - 1} (layers reordered or replaced without renumbering?); set each "
                 "attention module's layer_idx to its place")
+    moved = _moved_across_layer_types(model, types)
+    if moved is not None:
+        return moved
     if found and (other or (isinstance(layers, int) and found != list(range(layers)))):
         kinds = f" ({', '.join(other)} in config.layer_types)" if other else ""
         return (f"a hybrid model: self-attention in layers {found} of {layers}; the other layers{kinds} keep a "
@@ -690,11 +707,36 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
 def _attention_layers_present(model: torch.nn.Module) -> int | None:
     """The length of ``model``'s list of layers when each of them has self-attention (a model whose layers were
     removed, added or reordered by hand: a hybrid's list holds layers without it too), else None."""
+    layers = _attention_layer_list(model)
+    return len(layers) if layers is not None else None
+
+
+def _attention_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """``model``'s list of layers when each of them has self-attention, else None."""
     attention = {id(m) for m in attention_modules(model, every_copy=True)}
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and all(
                 any(id(m) in attention for m in layer.modules()) for layer in module):
-            return len(module)
+            return module
+    return None
+
+
+def _moved_across_layer_types(model: torch.nn.Module, types: list) -> str | None:
+    """Why a model whose layers were reordered without renumbering cannot be served, or None: stock applies the
+    mask of the kind ``config.layer_types`` gives a layer's place (sliding or full), and paged attention the window
+    of its module's ``layer_idx``; they differ where a layer moved to a place of the other kind."""
+    if not types:
+        return None
+    layers = _attention_layer_list(model)
+    if layers is None or len(layers) != len(types):
+        return None
+    for place, layer in enumerate(layers):
+        for m in attention_modules(layer):
+            idx = m.layer_idx
+            if idx != place and isinstance(idx, int) and 0 <= idx < len(types) and types[idx] != types[place]:
+                return (f"its layer {place} holds the attention module of layer_idx {idx}, a "
+                        f"{types[idx]} layer at a place config.layer_types makes {types[place]} (layers reordered "
+                        "without renumbering?); set each attention module's layer_idx to its place")
     return None
 
 

@@ -718,6 +718,48 @@ def test_layers_removed_without_updating_the_config_are_refused_saying_so(keep):
         assert torch.equal(patched.generate(ids, **kw), ref)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2", "llama"])
+@pytest.mark.parametrize("when", ["before patch()", "after patch()"])
+def test_layers_swapped_without_renumbering_across_sliding_and_full_are_refused(arch, when):
+    # stock masks a layer by the kind of its place in config.layer_types (and its default cache keeps a layer's
+    # tokens by the kind of its layer_idx: it fails once a prompt outgrows the window); paged attention had applied
+    # its module's layer_idx's window, and the tokens differed; a swap among layers of one kind gives stock's tokens
+    from tiny_models import left_padded_batch, tiny_model
+
+    def swapped(model):
+        model.model.layers = torch.nn.ModuleList([model.model.layers[1], model.model.layers[0],
+                                                  *model.model.layers[2:]])
+        return model
+
+    ids, mask = left_padded_batch([20, 13], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    model = tiny_model(arch)
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    refused = types[0] != types[1]
+    if when == "after patch()":
+        astrai_hf.patch(model, max_tokens=512, page_size=4)
+        model.generate(ids, **kw)
+    message = rf"its layer 0 holds the attention module of layer_idx 1, a {types[1]} layer at a place config.layer_types makes {types[0]}"
+    try:
+        if refused:
+            with pytest.raises(NotImplementedError, match=message):
+                swapped(model)
+                if when == "before patch()":
+                    astrai_hf.patch(model, max_tokens=512, page_size=4)
+                model.generate(ids, **kw)
+        else:
+            want = swapped(tiny_model(arch)).generate(ids, **kw)
+            swapped(model)
+            if when == "before patch()":
+                astrai_hf.patch(model, max_tokens=512, page_size=4)
+            assert torch.equal(model.generate(ids, **kw), want)
+    finally:
+        pool = astrai_hf.get_pool(model) if astrai_hf.is_patched(model) else None
+        astrai_hf.unpatch(model)
+    assert pool is None or pool.stats()["num_used_pages"] == 0
+    assert refused == (arch != "llama")
+
+
 @pytest.mark.parametrize("family, heads", [("gpt_bigcode", 1), ("persimmon", 4)])
 def test_a_num_key_value_heads_the_family_ignores_is_named_with_the_fix(family, heads):
     # these families compute their own KV head count; a stray config field sized the pool (the message had said
