@@ -1474,9 +1474,11 @@ def _wrap_generate(owner, generate, state: PatchState):
 
     def _run_paged(model, args, kwargs, config, returned=None, by_row=None):
         _sync_modules(model, state)
-        if (state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs)
-                and not state.pool.fits_placement(state.modules)):
-            _rebuild_pool(model, state)
+        if not state.pool.fits_placement(state.modules):
+            if state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs):
+                _rebuild_pool(model, state)
+            else:  # the caller's pool (or one of a given dtype or device): name what no longer fits, before a step
+                state.pool.check_model(model)
         pool, cache, failed = state.pool, None, None
         try:
             # the cache checks the pool against the model before it looks the prompt up (another model's K/V, or

@@ -313,7 +313,8 @@ class PagePool:
             idx = module.layer_idx
             dev, dt = _module_device(module), _module_dtype(module)
             if dt != self.dtype:
-                raise TypeError(f"the model computes K/V in {dt}, but this PagePool stores {self.dtype}")
+                raise TypeError(f"the model computes K/V in {dt}, but the pool stores {self.dtype}; build the pool "
+                                "with PagePool.from_model(model) after the model's dtype is set")
             if dev != self.config.layer_devices[idx]:
                 raise ValueError(
                     f"layer {idx} of the model is on {dev}, but this PagePool keeps its K/V on "
@@ -322,9 +323,11 @@ class PagePool:
 
     def fits_placement(self, modules: list[torch.nn.Module]) -> bool:
         """Whether the attention modules ``modules`` (see :func:`attention_modules`) still compute in this pool's
-        dtype and on its layers' devices (a model moved with ``.to()`` after its pool was built does not)."""
+        dtype and on its layers' devices (a model moved with ``.to()`` after its pool was built does not), and each
+        has a layer of the pool (a layer appended since has none)."""
+        devices = self.config.layer_devices
         return all(
-            _module_dtype(m) == self.dtype and _module_device(m) == self.config.layer_devices[m.layer_idx]
+            m.layer_idx < len(devices) and _module_dtype(m) == self.dtype and _module_device(m) == devices[m.layer_idx]
             for m in modules
         )
 

@@ -236,6 +236,43 @@ def test_a_pool_the_caller_gave_is_not_replaced_when_the_model_moves():
         astrai_hf.unpatch(model)
 
 
+@pytest.mark.parametrize("pool_from", ["patch()", "the caller"])
+def test_a_layer_appended_after_patch_gets_a_pool_that_holds_it_or_a_clear_error(pool_from):
+    # growing a model by a layer (its layer_idx and num_hidden_layers set) had raised an IndexError from the pool's
+    # placement check at every later call
+    import copy
+
+    def grow(model):
+        layer = copy.deepcopy(model.model.layers[-1])
+        layer.self_attn.layer_idx = len(model.model.layers)
+        model.model.layers.append(layer)
+        model.config.num_hidden_layers = len(model.model.layers)
+        return model
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    if pool_from == "patch()":
+        astrai_hf.patch(model, max_tokens=512)
+    else:
+        astrai_hf.patch(model, PagePool.from_model(model, max_tokens=512))
+    first = astrai_hf.get_pool(model)
+    try:
+        model.generate(ids, **kw)
+        grow(model)
+        if pool_from == "patch()":  # the pool patch() built follows the model
+            assert torch.equal(model.generate(ids, **kw), grow(tiny_model("llama")).generate(ids, **kw))
+            assert astrai_hf.get_pool(model).config.spec.num_layers == 3
+        else:
+            with pytest.raises(ValueError, match=r"built for a model with num_layers=2, but LlamaForCausalLM has "
+                                                 r"num_layers=3; build the pool with PagePool.from_model\(model\)"):
+                model.generate(ids, **kw)
+            assert astrai_hf.get_pool(model) is first
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == first.stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
 def test_torch_save_and_pickle_of_a_patched_model_store_it_unpatched():
     import io
     import pickle
