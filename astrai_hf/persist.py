@@ -250,6 +250,23 @@ def _model_for(pool, model):
     return model
 
 
+def _check_holds_model(pool, model) -> None:
+    """Raise ``ValueError`` when ``pool``'s cached prefixes were computed by another model than ``model`` (other
+    weights, config or behaviour): saving them under ``model``'s fingerprint would have bound the pool to it, which
+    drops them, and written an empty file."""
+    held = pool.held_model_key()
+    if held is None or model is pool.model:
+        return
+    digest = pool._fingerprint(model)
+    if (digest, pool._fingerprints[model][0].behaviour) != held:
+        bound = pool.model
+        owner = f"the {type(bound).__name__} the pool is bound to" if bound is not None else "a model no longer alive"
+        raise ValueError(
+            f"this PagePool's cached prefixes were computed by {owner}, not by the {type(model).__name__} passed as "
+            "model= (other weights, config or behaviour); pass the model they belong to (model=None: the bound "
+            "model)")
+
+
 def _as_path(path) -> Path:
     if isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes):
         return Path(path)
@@ -268,7 +285,8 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         pages written.
 
     Raises:
-        ValueError: the pool has no prefix cache, or no model is known.
+        ValueError: the pool has no prefix cache, no model is known, or ``model`` is not the model that computed
+            the cached prefixes (the pool and the file are left as they were).
         TypeError: ``path`` is not a str or ``os.PathLike``.
         FileNotFoundError: the folder of ``path`` does not exist.
     """
@@ -278,6 +296,7 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     if pool.prefix_cache is None:
         raise ValueError("this PagePool was built with prefix_cache=False; there is nothing to save")
     model = _model_for(pool, model)
+    _check_holds_model(pool, model)
     pool.check_weights(model)  # pages computed by weights changed since must not be saved under the new ones
     nodes = list(pool.prefix_cache.nodes())
     position = {id(n): i for i, n in enumerate(nodes)}
@@ -437,8 +456,9 @@ def _read_index(path: Path, meta: dict, page_size: int) -> list[tuple[int, tuple
     index = []
     for i, entry in enumerate(raw):
         ok = isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and isinstance(entry[1], list)
-        if not ok or not all(type(t) is int and t >= 0 for t in entry[1]):
-            raise ValueError(f"{path}: entry {i} of the index is not [parent, [token ids]]: {entry!r:.80}")
+        if not ok or not all(type(t) is int and 0 <= t < 2**63 for t in entry[1]):  # (token ids are int64)
+            raise ValueError(f"{path}: entry {i} of the index is not [parent, [token ids]] (ids 0 to 2**63 - 1): "
+                             f"{entry!r:.80}")
         parent_pos, tokens = entry
         if not -1 <= parent_pos < i:
             raise ValueError(f"{path}: entry {i} names parent {parent_pos}; a parent must come before its children")

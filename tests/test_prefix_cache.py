@@ -683,6 +683,23 @@ def test_load_refuses_another_model_or_page_size(llama, tmp_path):
         fresh.load_prefix_cache(tmp_path / "missing.safetensors")
 
 
+def test_save_with_another_models_weights_is_refused_and_changes_nothing(llama, tmp_path):
+    # save_prefix_cache(path, model=other) had bound the pool to the other model, dropping the cached prefixes,
+    # and written an empty file under its fingerprint
+    pool = _pool(llama)
+    ids, mask = _batch([_tokens(40, seed=16)])
+    _generate(llama, pool, ids, mask, max_new_tokens=3)
+    other = tiny_model("llama", seed=1, max_position_embeddings=2048)
+    path = tmp_path / "p.safetensors"
+    with pytest.raises(ValueError, match=r"computed by the LlamaForCausalLM the pool is bound to, not by the "
+                                         r"LlamaForCausalLM passed as model= \(other weights"):
+        pool.save_prefix_cache(path, model=other)
+    assert not path.exists() and pool.model is llama and pool.stats()["prefix_cache_pages"] == 3
+    twin = tiny_model("llama", max_position_embeddings=2048)  # the same weights: its K/V are these
+    assert pool.save_prefix_cache(path, model=twin) == 3
+    assert _pool(llama).load_prefix_cache(path) == 3
+
+
 def test_rebinding_a_pool_to_other_weights_drops_the_cache(llama):
     pool = _pool(llama)
     ids, mask = _batch([_tokens(40, seed=17)])
@@ -730,6 +747,8 @@ _BROKEN = {
                                  "parent must come before"),
     "an entry that is not [parent, tokens]": (lambda t, m: m["index"].__setitem__(0, [-1, "abc"]),
                                               "is not \\[parent, \\[token ids\\]\\]"),
+    # (it had raised a bare OverflowError from the page key)
+    "a token id past int64": (lambda t, m: m["index"][0][1].__setitem__(0, 2**63), r"ids 0 to 2\*\*63 - 1"),
     # a file damaged in its K/V bytes (header intact) had loaded and served wrong prefixes
     "damaged K/V bytes": (lambda t, m: t["v.1"][1, 2].add_(0.5), "do not match the digest"),
     "a token of the index changed": (lambda t, m: m["index"][1][1].__setitem__(0, m["index"][1][1][0] ^ 1),
