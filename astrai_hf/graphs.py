@@ -237,6 +237,7 @@ class DecodeGraphRunner:
             logger.debug("decode runner: %s read the cache length in their forward; decode steps run eagerly",
                          ", ".join(self.length_readers))
         self._mempool = None
+        self._capture_stream = None  # a stream of the runner's device that captures run on
         self.replays = 0  # decode steps run through the runner
         self.captured: list[int] = []  # buckets captured, in order
         self.capture_seconds: dict[int, float] = {}  # bucket -> seconds its capture took (warm-up included)
@@ -460,11 +461,18 @@ class DecodeGraphRunner:
                 self._check_outputs(warm, bucket)
                 if self._mempool is None:
                     self._mempool = torch.cuda.graph_pool_handle()
+                if self._capture_stream is None:
+                    # (torch's default capture stream is one per process, made on the device current at the first
+                    # capture: a model on another device would capture nothing on it, its kernels launched eagerly)
+                    self._capture_stream = torch.cuda.Stream()
                 graph = torch.cuda.CUDAGraph()
                 before = torch.cuda.current_stream()
                 interrupted = None
                 try:
-                    with torch.cuda.graph(graph, pool=self._mempool):
+                    # thread_local: a CUDA call another thread makes meanwhile (a model on a pool of its own, in its
+                    # own generate()) neither fails nor breaks this capture (as torch.compile's graphs capture)
+                    with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream,
+                                          capture_error_mode="thread_local"):
                         try:
                             static_out = self._forward(bucket, cache, kwargs, state, gstep)
                         except BaseException as inner:

@@ -55,7 +55,7 @@ def _free_graph_api():
     """CUDA's graph API as a stand-in: a capture runs the forward once, a replay does nothing."""
     names = dict(Stream=_Stream, current_stream=_Stream, stream=lambda s: contextlib.nullcontext(),
                  set_stream=lambda s: None, graph_pool_handle=object, CUDAGraph=_FreeGraph,
-                 graph=lambda g, pool=None: contextlib.nullcontext())
+                 graph=lambda g, pool=None, **kwargs: contextlib.nullcontext())
     saved = {n: getattr(torch.cuda, n) for n in names}
     init = graphs.DecodeGraphRunner.__init__
 

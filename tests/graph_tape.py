@@ -82,15 +82,21 @@ class CUDAGraph:
 
 
 class Stream:
+    def __init__(self, device=None):
+        self.device = device if device is not None else current_device[0]
+
     def wait_stream(self, other) -> None:
         pass
+
+
+current_device = ["cuda:0"]  # the device a Stream() is made on (set by a test)
 
 
 def install(monkeypatch) -> list[CUDAGraph]:
     captured: list[CUDAGraph] = []
     capturing = []
     current = [Stream()]  # the current stream
-    capture_stream = Stream()
+    capture_stream = Stream()  # (torch's default capture stream: one per process)
 
     class stream:  # noqa: N801 (torch.cuda.stream): the stream given is current within the block
         def __init__(self, s):
@@ -106,12 +112,14 @@ def install(monkeypatch) -> list[CUDAGraph]:
         """As torch's: the capture runs on a stream of its own; when the body raised, ending the capture raises
         too (CUDA invalidated it) and the stream current before it is not set again."""
 
-        def __init__(self, g, pool=None):
+        def __init__(self, g, pool=None, stream=None, capture_error_mode="global"):
             assert pool is not None and not gc.isenabled(), "capture into the shared pool, garbage collection off"
             self.g = g
+            g.stream, g.capture_error_mode = stream, capture_error_mode
+            self.stream = stream if stream is not None else capture_stream
 
         def __enter__(self):
-            self.before, current[0] = current[0], capture_stream
+            self.before, current[0] = current[0], self.stream
             capturing.append(self.g)
             self.recorder = _Recorder(self.g.ops)
             self.recorder.__enter__()

@@ -472,6 +472,31 @@ def test_mrope_positions_of_a_text_call_run_the_decode_steps_eagerly(captured):
         assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
 
 
+def test_captures_run_on_a_stream_of_the_runners_device_that_other_threads_cannot_break(captured, monkeypatch):
+    # torch's default capture stream is made once per process, on the device current at the first capture: a model
+    # on a second GPU captured on the first one's stream (nothing captured, its kernels launched eagerly); and in
+    # the default global mode a CUDA call of another thread's generate() failed during a capture
+    from astrai_hf import attention
+
+    @contextlib.contextmanager
+    def on_device(device):
+        before, graph_tape.current_device[0] = graph_tape.current_device[0], str(device)
+        try:
+            yield
+        finally:
+            graph_tape.current_device[0] = before
+
+    monkeypatch.setattr(attention, "on_device", on_device)
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([5, 1, 12], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with _patched(model):
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        device = str(_runner(model).device)
+    assert [(g.stream.device, g.capture_error_mode) for g in captured] == [(device, "thread_local")]
+    assert graph_tape.current_device[0] == "cuda:0" != device
+
+
 @pytest.mark.parametrize("lengths", [[4, 7, 5], [4, 7, 5, 2]])  # padded to bucket 4; bucket 4 itself
 def test_token_types_fed_every_decode_step_run_the_steps_eagerly(captured, lengths):
     # generate() hands GPT-2 the token types (zeros too add an embedding) afresh each step: the capture kept the

@@ -376,7 +376,7 @@ def test_the_capture_path_gives_eagers_tokens_with_a_stand_in_for_cudas_graph_ap
             self.rerun()
 
     @contextlib.contextmanager
-    def graph(g, pool=None):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
         assert pool is not None and not gc.isenabled()
         capturing["graph"] = g
         try:

@@ -37,7 +37,13 @@ def test_a_model_on_the_second_gpu_while_the_first_is_current_decodes_there():
     kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.cuda.current_device() == 0
     ref = model.generate(ids, **kw)
+    first = tiny_model("llama").to("cuda:0")  # a capture on cuda:0 first: torch's default capture stream is there
+    with astrai_hf.patched(first, max_tokens=1024, cuda_graphs=True):
+        first.generate(ids.to("cuda:0"), attention_mask=mask.to("cuda:0"), max_new_tokens=2)
     for graphs in (False, True):
         with astrai_hf.patched(model, max_tokens=1024, cuda_graphs=graphs):
             assert torch.equal(model.generate(ids, **kw), ref)
             assert torch.cuda.current_device() == 0
+            if graphs:  # captured on cuda:1 and replayed (not declined, not an empty graph replaying nothing)
+                (runner,) = model._astrai_patch_state.runners.values()
+                assert runner.uncapturable is None and runner.captured and runner.replays > 0
