@@ -51,6 +51,7 @@ class PatchState:
     pack_prefill: bool = False
     prefill_chunk_tokens: int | None = None
     cuda_graphs: bool = False
+    graphs_given: bool | None = None  # patch()'s cuda_graphs as given (None: the default, for where the model is)
     rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
     embeds_token_types: bool = True  # token types (zeros too) enter the embeddings: no prefix reuse with them
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
@@ -260,7 +261,7 @@ def _repatch(model, state: PatchState, pool: PagePool | None, own_pool_kwargs: d
             state.own_pool_kwargs = own_pool_kwargs
     state.pack_prefill = pack_prefill
     state.prefill_chunk_tokens = prefill_chunk_tokens
-    state.cuda_graphs = _wants_graphs(model, cuda_graphs)
+    state.cuda_graphs, state.graphs_given = _wants_graphs(model, cuda_graphs), cuda_graphs
 
 
 def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefill_chunk_tokens: int | None,
@@ -280,6 +281,7 @@ def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefil
         pack_prefill=pack_prefill,
         prefill_chunk_tokens=prefill_chunk_tokens,
         cuda_graphs=_wants_graphs(model, cuda_graphs),
+        graphs_given=cuda_graphs,
         rope_by_length=rope_depends_on_length(model),
         embeds_token_types=embeds_token_types(model),
         own_pool_kwargs=own_pool_kwargs,
@@ -502,7 +504,7 @@ def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> 
     if not isinstance(twin, torch.nn.Module) or _STATE_ATTR in twin.__dict__:
         return copied
     settings = dict(pack_prefill=state.pack_prefill, prefill_chunk_tokens=state.prefill_chunk_tokens,
-                    cuda_graphs=state.cuda_graphs)
+                    cuda_graphs=state.graphs_given)
     own = state.own_pool_kwargs
     if own is not None and not state.pool.fits_placement(attention_modules(twin)):
         patch(twin, **settings, **own)  # the model moved since its pool was built: the copy gets a pool that fits
@@ -528,7 +530,7 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
     previous = None
     if state is not None:
         previous = {name: getattr(state, name) for name in ("pool", "own_pool_kwargs", "pack_prefill",
-                                                            "prefill_chunk_tokens", "cuda_graphs")}
+                                                            "prefill_chunk_tokens", "cuda_graphs", "graphs_given")}
     patch(model, pool, **kwargs)
     try:
         yield model
@@ -2039,6 +2041,9 @@ def _rebuild_pool(model, state: PatchState) -> None:
     old = state.pool
     state.pool = PagePool.from_model(model, **state.own_pool_kwargs)
     state.checked_pools.add(id(state.pool))
+    # CUDA graphs by default for a model now wholly on one CUDA device (patched on the CPU, then .to("cuda")), and
+    # not for one moved off it
+    state.cuda_graphs = _wants_graphs(model, state.graphs_given)
     runner = state.runners.pop(id(old), None)
     if runner is not None:
         runner.close()

@@ -222,6 +222,38 @@ def test_a_model_moved_to_another_dtype_after_patch_gets_a_new_pool(sizing):
     assert torch.equal(out, model.generate(ids, **kw))
 
 
+def test_the_cuda_graphs_default_is_decided_again_when_the_model_moves(monkeypatch):
+    # patch(model) on the CPU, then model.to("cuda"): the default had been decided once, at patch(), so the model
+    # decoded eagerly on its GPU (and a model moved off its GPU ran the graph runner's eager stand-in). Here float64
+    # stands in for "wholly on one CUDA device", the one thing the default reads
+    import importlib
+
+    patch_module = importlib.import_module("astrai_hf.patch")
+    monkeypatch.setattr(patch_module, "_wants_graphs", lambda model, given: given if given is not None else
+                        next(model.parameters()).dtype == torch.float64)
+    model, stock = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    astrai_hf.patch(model, max_tokens=512)
+    state = model._astrai_patch_state
+    try:
+        model.generate(ids, **kw)
+        assert not state.cuda_graphs and not state.runners
+        model.to(torch.float64)
+        stock.to(torch.float64)
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        assert state.cuda_graphs and next(iter(state.runners.values())).replays == 4
+        model.float()
+        model.generate(ids, **kw)
+        assert not state.cuda_graphs and not state.runners
+        astrai_hf.patch(model, cuda_graphs=False, max_tokens=512)  # as given, wherever the model goes
+        model.to(torch.float64)
+        model.generate(ids, **kw)
+        assert not state.cuda_graphs and not state.runners
+    finally:
+        astrai_hf.unpatch(model)
+
+
 def test_a_pool_the_caller_gave_is_not_replaced_when_the_model_moves():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([5, 9])
