@@ -317,8 +317,8 @@ def _extend_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
     block = tl.program_id(2)
-    q_start = tl.load(qo_indptr_ptr + b)
-    n_q = tl.load(qo_indptr_ptr + b + 1) - q_start
+    q_start = tl.load(qo_indptr_ptr + b).to(tl.int64)  # int64: a long extend's Q/O can pass 2**31 elements
+    n_q = tl.load(qo_indptr_ptr + b + 1).to(tl.int64) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     prev = seq_len - n_q
     row = tl.load(req_rows_ptr + b).to(tl.int64)
