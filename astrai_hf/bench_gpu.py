@@ -78,8 +78,8 @@ def load(device: str, dtype: torch.dtype, random_weights: bool, config: dict | N
 
             model, _ = load_model(dtype=dtype, device=device)
             return model, "SmolLM2-135M-Instruct (embedded weights)"
-        except FileNotFoundError:
-            pass
+        except (FileNotFoundError, ModuleNotFoundError) as e:  # (not installed; or its gguf reader is not)
+            logger.warning("embedded model not loaded (%s): random weights of its architecture", e)
     cfg = LlamaConfig(**(config or SMOLLM2_135M))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device).eval()

