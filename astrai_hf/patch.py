@@ -1294,6 +1294,8 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
+    with state.lock:
+        _follow_model(model, state)  # (a model moved since patch(): its pool, and the cuda_graphs default, follow)
     if not state.cuda_graphs:
         raise ValueError(
             f"{type(model).__name__} is patched without CUDA graphs (cuda_graphs=False, the default for a model not "
@@ -1475,12 +1477,7 @@ def _wrap_generate(owner, generate, state: PatchState):
         return _run_paged(model, args, kwargs, config, returned, by_row)
 
     def _run_paged(model, args, kwargs, config, returned=None, by_row=None):
-        _sync_modules(model, state)
-        if not state.pool.fits_placement(state.modules):
-            if state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs):
-                _rebuild_pool(model, state)
-            else:  # the caller's pool (or one of a given dtype or device): name what no longer fits, before a step
-                state.pool.check_model(model)
+        _follow_model(model, state)
         pool, cache, failed = state.pool, None, None
         try:
             # the cache checks the pool against the model before it looks the prompt up (another model's K/V, or
@@ -2033,6 +2030,18 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     if if_else_none(arg) and self_attr(arg.body, "sliding_window") and sliding_flag(arg.test) and config_window(value):
         return True, self_attr(arg.test)
     return None
+
+
+def _follow_model(model, state: PatchState) -> None:
+    """Bring the patch up to the model as it is now, before a call: attention modules that joined it
+    (:func:`_sync_modules`), and its pool, which patch() built, rebuilt where the model moved to another dtype or
+    device or grew a layer; a pool of the caller's that no longer fits is refused, naming what differs."""
+    _sync_modules(model, state)
+    if not state.pool.fits_placement(state.modules):
+        if state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs):
+            _rebuild_pool(model, state)
+        else:  # the caller's pool (or one of a given dtype or device): name what no longer fits, before a step
+            state.pool.check_model(model)
 
 
 def _rebuild_pool(model, state: PatchState) -> None:

@@ -241,6 +241,7 @@ def test_the_cuda_graphs_default_is_decided_again_when_the_model_moves(monkeypat
         assert not state.cuda_graphs and not state.runners
         model.to(torch.float64)
         stock.to(torch.float64)
+        assert astrai_hf.capture_graphs(model)  # before any call: it had refused, naming cuda_graphs=False
         assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
         assert state.cuda_graphs and next(iter(state.runners.values())).replays == 4
         model.float()
