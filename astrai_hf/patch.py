@@ -994,6 +994,7 @@ def _wrap_forward(owner, forward, state: PatchState):
     # functools.wraps keeps the signature visible: generate() inspects it to decide whether to build
     # position_ids and logits_to_keep. The wrapper holds the model weakly (see PatchState).
     forward, model_ref = _weakly_bound(forward, owner), weakref.ref(owner)
+    owner_name = type(owner).__name__
 
     token = state.install_token
 
@@ -1006,8 +1007,21 @@ def _wrap_forward(owner, forward, state: PatchState):
             # a forward of transformers' continuous batching on its worker thread, while the generate() that
             # started it holds the lock and waits for it: no paged step can be under way
             return forward(*args, **kwargs)
+        if not isinstance(cache, PagedCache) and torch.compiler.is_compiling():
+            # a forward without a paged cache traced by torch.compile (a scoring forward of a compiled model): stock's,
+            # without the lock, which a graph cannot hold (fullgraph=True had failed on it)
+            return forward(*args, **kwargs)
         with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
-            return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
+            try:
+                return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
+            except Exception as e:
+                if isinstance(cache, PagedCache) and _fullgraph_refused(e):
+                    raise NotImplementedError(
+                        f"{owner_name}'s forward (or a module of it) is compiled with torch.compile("
+                        "fullgraph=True), which cannot trace astrai-hf's paged attention (it runs Python over the "
+                        "pool's page tables at each step): compile without fullgraph=True, or "
+                        "astrai_hf.unpatch(model) to run stock") from e
+                raise
 
     def _paged_forward(model, cache, /, *args, **kwargs):  # (positional only: `cache=` is a forward kwarg)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
@@ -2030,6 +2044,12 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     if if_else_none(arg) and self_attr(arg.body, "sliding_window") and sliding_flag(arg.test) and config_window(value):
         return True, self_attr(arg.test)
     return None
+
+
+def _fullgraph_refused(error: Exception) -> bool:
+    """Whether ``error`` is torch.compile failing to trace astrai-hf's own code into one graph (``fullgraph=True``
+    refuses every graph break; without it, dynamo runs such code outside its graphs)."""
+    return type(error).__module__.startswith("torch._dynamo") and "astrai_hf" in str(error)
 
 
 def _follow_model(model, state: PatchState) -> None:

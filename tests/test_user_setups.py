@@ -783,6 +783,36 @@ def test_patch_and_unpatch_of_a_torch_compile_wrapper_act_on_the_model_it_wraps(
     assert not astrai_hf.is_patched(model) and set(model.__dict__) == before
 
 
+@pytest.mark.parametrize("compiled", ["the model", "its forward"])
+def test_fullgraph_compiles_score_as_stock_and_refuse_a_paged_generate_by_name(compiled):
+    # torch.compile(model, fullgraph=True): a scoring forward (no cache) had failed on the patch's call lock, and a
+    # patched generate() with a fullgraph forward failed on a raw dynamo error about a weak reference
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 4, 9])
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+    tokens = model.generate(ids, **kw)
+    if compiled == "the model":
+        target = torch.compile(model, backend="eager", fullgraph=True)
+    else:
+        model.forward = target = torch.compile(model.forward, backend="eager", fullgraph=True)
+    astrai_hf.patch(model, max_tokens=1024)
+    try:
+        with torch.no_grad():
+            assert torch.equal(target(ids, attention_mask=mask).logits, ref)
+        if compiled == "the model":  # (generate() runs the model's own forward, not the compiled wrapper's call)
+            assert torch.equal(target.generate(ids, **kw), tokens)
+        else:
+            with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM's forward \(or a module of it\) is "
+                                                          r"compiled with torch.compile\(fullgraph=True\).*compile "
+                                                          r"without fullgraph=True, or astrai_hf.unpatch\(model\)"):
+                model.generate(ids, **kw)
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
 def test_the_multi_turn_recipe_passing_the_returned_cache_back_leaves_nothing_used():
     model = tiny_model("llama")
     ids, mask = left_padded_batch([12, 7], seed=1)
