@@ -1194,7 +1194,8 @@ class PagedCache(Cache):
                 key_states, value_states = key_states.to(cfg.dtype), value_states.to(cfg.dtype)
         try:
             if not 0 <= layer_idx < cfg.spec.num_layers:
-                raise ValueError(f"layer_idx={layer_idx} is outside this pool's {cfg.spec.num_layers} layers")
+                raise ValueError(f"layer_idx={layer_idx} is outside this pool's {cfg.spec.num_layers} layers (a layer "
+                                 "added since the pool was built?); build the pool with PagePool.from_model(model)")
             _, H, _, D = key_states.shape
             if (H, D) != (cfg.spec.num_kv_heads, cfg.spec.head_dim):
                 fix = "build the pool with PagePool.from_model(model)"

@@ -1190,13 +1190,16 @@ def mode_sensitive_modules(model: torch.nn.Module) -> tuple[list, list]:
     reading every module's flag each forward would cost a walk a step).
 
     Returns:
-        ``(dropout, checkpointing)``: every ``nn.Dropout`` (any kind) and every module with a float attribute whose
-        name has ``dropout`` in it, whatever its value; every module with ``gradient_checkpointing`` set.
+        ``(dropout, checkpointing)``: every ``nn.Dropout`` (any kind) with ``p > 0`` and every module with a float
+        attribute above 0 whose name has ``dropout`` in it (a model without dropout, most checkpoints: none); every
+        module with ``gradient_checkpointing`` set.
     """
     dropout, checkpointing = [], []
     for m in model.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) or any(
-                "dropout" in name and type(value) in (float, int) for name, value in vars(m).items()):
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            if m.p > 0:
+                dropout.append(m)
+        elif any("dropout" in name and type(value) in (float, int) and value > 0 for name, value in vars(m).items()):
             dropout.append(m)
         if getattr(m, "gradient_checkpointing", False) is True:
             checkpointing.append(m)
