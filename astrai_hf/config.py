@@ -238,3 +238,20 @@ def rope_depends_on_length(config) -> bool:
         for name in ("rope_parameters", "rope_scaling"):
             _collect_rope_types(getattr(cfg, name, None), types)
     return any("dynamic" in t or t == "longrope" for t in types)
+
+
+# where a paged forward keeps, on each config it switches to paged attention, the implementation the config selects
+# outside it (see patch.paged_attention_on)
+OWN_ATTENTION_ATTR = "_astrai_own_attention"
+
+
+def attention_drops_softcap(config) -> bool:
+    """Whether stock attention of a model of ``config`` ignores its attention logit softcap
+    (``attn_logit_softcapping``): the config selects transformers' sdpa, which takes no softcap and before
+    transformers 5.24 dropped the one a model passes (Gemma 2's default on those releases; later ones refuse sdpa
+    there). Paged attention then drops it too, so that it computes what stock computes; the K/V of such a model
+    differ from those of the same weights under eager attention, so the flag is part of the config's fingerprint."""
+    if config is None or getattr(config, "attn_logit_softcapping", None) is None:
+        return False
+    name = vars(config).get(OWN_ATTENTION_ATTR, getattr(config, "_attn_implementation_internal", None))
+    return isinstance(name, str) and name.split("|")[-1] == "sdpa"

@@ -20,7 +20,7 @@ import torch
 from . import attention, packing
 from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, forget_rope_deltas,
                     left_padding)
-from .config import KVSpec, as_count, as_flag, rope_depends_on_length
+from .config import OWN_ATTENTION_ATTR, KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
 from .graphs import CaptureRefused, DecodeGraphRunner
@@ -58,8 +58,6 @@ class PatchState:
     # modules whose forward changes in training mode (mode_sensitive_modules), read again at each call
     dropout_modules: list = field(default_factory=list)
     checkpointing_modules: list = field(default_factory=list)
-    # during a paged forward: the attention implementation each of attn_configs selects outside it
-    own_implementations: list = field(default_factory=list)
     # id(attention module) -> the sliding window its config gives, where the module's own attribute disagrees
     windows: dict = field(default_factory=dict)
     # the sizing patch() built the default pool with (None: the caller gave the pool); such a pool is rebuilt when
@@ -1275,14 +1273,18 @@ def paged_attention_on(state: PatchState, step, pool: PagePool) -> Iterator[None
     """Within the block, the patched model's attention modules run paged attention over ``pool`` for ``step``;
     their own attention implementation is restored on exit."""
     previous = [c._attn_implementation_internal for c in state.attn_configs]
-    state.step, state.step_pool, state.own_implementations = step, pool, previous
-    for c in state.attn_configs:
+    state.step, state.step_pool = step, pool
+    for c, name in zip(state.attn_configs, previous):
+        if name != attention.ATTENTION_NAME:  # (the outermost paged forward: what the config selects outside it)
+            vars(c)[OWN_ATTENTION_ATTR] = name
         c._attn_implementation_internal = attention.ATTENTION_NAME
     try:
         yield
     finally:
         for c, name in zip(state.attn_configs, previous):
             c._attn_implementation_internal = name
+            if name != attention.ATTENTION_NAME:
+                vars(c).pop(OWN_ATTENTION_ATTR, None)
         state.step = state.step_pool = None
 
 

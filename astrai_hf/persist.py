@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .config import attention_drops_softcap
 from .storage import gather_kv
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,17 @@ def config_fingerprint(model: torch.nn.Module, ignore: frozenset = frozenset()) 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return ""
-    text = json.dumps(_config_fields(config.to_dict(), _CONFIG_IGNORED | ignore), sort_keys=True, default=str)
+    fields = _config_fields(config.to_dict(), _CONFIG_IGNORED | ignore)
+    if any(attention_drops_softcap(c) for c in _attention_configs(config)):
+        fields["(attention drops the softcap)"] = True  # (its attention is sdpa: see attention_drops_softcap)
+    text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _attention_configs(config) -> list:
+    """``config`` and its text config (composite models keep the decoder's attention settings there)."""
+    text = getattr(config, "text_config", None)
+    return [config] + ([text] if text is not None and text is not config else [])
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:

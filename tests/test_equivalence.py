@@ -144,19 +144,23 @@ def test_patched_falcon_equals_stock_where_its_attention_goes_through_the_interf
     assert pool.stats()["prefix_hit_tokens"] > 0 and pool.stats()["num_used_pages"] == 0
 
 
+def _gemma2_past_its_softcap(implementation="default"):
+    model = tiny_model("gemma2")
+    if implementation == "eager":
+        model.set_attn_implementation("eager")
+    with torch.no_grad():  # logits well past the softcap of 5
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    return model
+
+
 @pytest.mark.parametrize("implementation", ["default", "eager"])
 def test_gemma2_with_large_attention_logits_equals_stock_under_its_attention(implementation):
     # stock sdpa drops the attention logit softcap (Gemma 2's default before transformers 5.24, which refuses sdpa
     # for it since): paged attention applied it, and tokens differed from stock once the logits reach the cap
     def build():
-        model = tiny_model("gemma2")
-        if implementation == "eager":
-            model.set_attn_implementation("eager")
-        with torch.no_grad():  # logits well past the softcap of 5
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.weight.mul_(20)
-                layer.self_attn.k_proj.weight.mul_(20)
-        return model
+        return _gemma2_past_its_softcap(implementation)
 
     stock, model = build(), build()
     ids, mask = left_padded_batch([20, 13], seed=1)
@@ -168,4 +172,37 @@ def test_gemma2_with_large_attention_logits_equals_stock_under_its_attention(imp
         got = model.generate(ids, **kw)
     assert torch.equal(got.sequences, want.sequences), model.config._attn_implementation
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-4, atol=1e-4)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("kept", ["prefix cache", "decode graphs"])
+def test_gemma2_switched_from_sdpa_to_eager_computes_nothing_from_before_the_switch(kept, monkeypatch):
+    # under sdpa the softcap is dropped, so K/V and captured graphs of before a set_attn_implementation("eager") are
+    # not those of after it: the prefix cache had served them, and a graph captured under sdpa had been replayed
+    model = _gemma2_past_its_softcap()
+    if model.config._attn_implementation != "sdpa":
+        pytest.skip("this transformers release runs Gemma 2 on eager attention only")
+    if kept == "decode graphs":
+        import graph_tape
+        from astrai_hf import graphs
+
+        graph_tape.install(monkeypatch)
+        init = graphs.DecodeGraphRunner.__init__
+
+        def init_capturing(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.use_cuda_graphs = True
+
+        monkeypatch.setattr(graphs.DecodeGraphRunner, "__init__", init_capturing)
+    stock = _gemma2_past_its_softcap("eager")
+    ids, mask = left_padded_batch([20, 13], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    want = stock.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4, prefix_cache=kept == "prefix cache")
+    with astrai_hf.patched(model, pool, cuda_graphs=kept == "decode graphs"):
+        under_sdpa = model.generate(ids, **kw)
+        model.set_attn_implementation("eager")
+        hits = pool.stats()["prefix_hit_tokens"]
+        assert torch.equal(model.generate(ids, **kw), want) and not torch.equal(under_sdpa, want)
+        assert pool.stats()["prefix_hit_tokens"] == hits
     assert pool.stats()["num_used_pages"] == 0

@@ -12,6 +12,7 @@ import functools
 import torch
 from transformers import AttentionInterface
 
+from ..config import attention_drops_softcap
 from .reference import packed_paged_attention, paged_attention
 
 ATTENTION_NAME = "astrai_paged"
@@ -121,8 +122,8 @@ def paged_attention_forward(
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{type(module).__name__} passes `{name}`, which paged attention does not implement")
     layer = module.layer_idx
-    if softcap is not None and _drops_softcap(state, module):
-        softcap = None
+    if softcap is not None and attention_drops_softcap(getattr(module, "config", None)):
+        softcap = None  # (stock's sdpa ignores it)
     if state.windows:  # the module's window is stale: its config was edited since the model was built
         sliding_window = state.windows.get(id(module), sliding_window)
     storage = (state.step_pool or state.pool).storage
@@ -140,17 +141,6 @@ def paged_attention_forward(
         return triton_decode(query, storage.k[layer], storage.v[layer], meta.table, view.req_rows, view.seq_lens_t,
                              **kw), None
     return paged_attention(query, storage.k[layer], storage.v[layer], meta, **kw), None
-
-
-def _drops_softcap(state, module: torch.nn.Module) -> bool:
-    """Whether stock attention of ``module`` ignores a logit softcap: transformers' sdpa takes no softcap, and
-    before 5.24 it dropped the one a model passes (Gemma 2, which ran sdpa by default on those releases; later
-    releases refuse it there). Paged attention then computes what stock computes."""
-    config = getattr(module, "config", None)
-    for c, name in zip(state.attn_configs, state.own_implementations):
-        if c is config:
-            return isinstance(name, str) and name.split("|")[-1] == "sdpa"
-    return False
 
 
 def register() -> None:
