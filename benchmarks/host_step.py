@@ -141,12 +141,12 @@ def _measure(batches, new_tokens: int, runs: int) -> dict:
             finally:
                 astrai_hf.unpatch(model)
         logits = torch.zeros(batch, 1, model.config.vocab_size)
+        field = astrai_hf.cache_kwarg(model)  # the output's field is named as generate()'s keyword ("cache" from 5.24)
 
         @functools.wraps(model.forward)  # (generate() reads the forward's signature)
         def free_forward(*args, **kwargs):
             cache = kwargs.get("past_key_values", kwargs.get("cache"))
-            # (the output's field is named as generate()'s keyword: "cache" from transformers 5.24)
-            return CausalLMOutputWithPast(logits=logits.clone(), **{astrai_hf.cache_kwarg(model): cache})
+            return CausalLMOutputWithPast(logits=logits.clone(), **{field: cache})
 
         model.forward = free_forward
         try:
