@@ -240,9 +240,9 @@ def rope_depends_on_length(config) -> bool:
     return any("dynamic" in t or t == "longrope" for t in types)
 
 
-# where a paged forward keeps, on each config it switches to paged attention, the implementation the config selects
-# outside it (see patch.paged_attention_on)
-OWN_ATTENTION_ATTR = "_astrai_own_attention"
+# id(config) -> the attention implementation a config selects outside the paged forward under way, which switched
+# it to paged attention (see patch.paged_attention_on); kept off the config, which a hook may save or copy meanwhile
+OWN_ATTENTION: dict[int, str] = {}
 
 
 def attention_drops_softcap(config) -> bool:
@@ -253,5 +253,5 @@ def attention_drops_softcap(config) -> bool:
     differ from those of the same weights under eager attention, so the flag is part of the config's fingerprint."""
     if config is None or getattr(config, "attn_logit_softcapping", None) is None:
         return False
-    name = vars(config).get(OWN_ATTENTION_ATTR, getattr(config, "_attn_implementation_internal", None))
+    name = OWN_ATTENTION.get(id(config)) or getattr(config, "_attn_implementation_internal", None)
     return isinstance(name, str) and name.split("|")[-1] == "sdpa"

@@ -20,7 +20,7 @@ import torch
 from . import attention, packing
 from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, forget_rope_deltas,
                     left_padding)
-from .config import OWN_ATTENTION_ATTR, KVSpec, as_count, as_flag, rope_depends_on_length
+from .config import OWN_ATTENTION, KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
 from .graphs import CaptureRefused, DecodeGraphRunner
@@ -1009,16 +1009,16 @@ def _wrap_forward(owner, forward, state: PatchState):
             # a forward without a paged cache traced by torch.compile (a scoring forward of a compiled model): stock's,
             # without the lock, which a graph cannot hold (fullgraph=True had failed on it)
             return forward(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # this wrapper traced (the patched forward compiled): without fullgraph dynamo runs it outside its graph
+            # on this error; with fullgraph the error reaches the caller, naming the fix
+            raise NotImplementedError(_fullgraph_message(owner_name))
         with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
             try:
                 return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
             except Exception as e:
                 if isinstance(cache, PagedCache) and _fullgraph_refused(e):
-                    raise NotImplementedError(
-                        f"{owner_name}'s forward (or a module of it) is compiled with torch.compile("
-                        "fullgraph=True), which cannot trace astrai-hf's paged attention (it runs Python over the "
-                        "pool's page tables at each step): compile without fullgraph=True, or "
-                        "astrai_hf.unpatch(model) to run stock") from e
+                    raise NotImplementedError(_fullgraph_message(owner_name)) from e
                 raise
 
     def _paged_forward(model, cache, /, *args, **kwargs):  # (positional only: `cache=` is a forward kwarg)
@@ -1276,7 +1276,7 @@ def paged_attention_on(state: PatchState, step, pool: PagePool) -> Iterator[None
     state.step, state.step_pool = step, pool
     for c, name in zip(state.attn_configs, previous):
         if name != attention.ATTENTION_NAME:  # (the outermost paged forward: what the config selects outside it)
-            vars(c)[OWN_ATTENTION_ATTR] = name
+            OWN_ATTENTION[id(c)] = name
         c._attn_implementation_internal = attention.ATTENTION_NAME
     try:
         yield
@@ -1284,7 +1284,7 @@ def paged_attention_on(state: PatchState, step, pool: PagePool) -> Iterator[None
         for c, name in zip(state.attn_configs, previous):
             c._attn_implementation_internal = name
             if name != attention.ATTENTION_NAME:
-                vars(c).pop(OWN_ATTENTION_ATTR, None)
+                OWN_ATTENTION.pop(id(c), None)
         state.step = state.step_pool = None
 
 
@@ -1340,6 +1340,7 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
 
 def _wrap_generate(owner, generate, state: PatchState):
     generate, model_ref = _weakly_bound(generate, owner), weakref.ref(owner)
+    owner_name = type(owner).__name__
 
     token = state.install_token
 
@@ -1369,6 +1370,10 @@ def _wrap_generate(owner, generate, state: PatchState):
             state.generating += 1
             try:
                 return _paged_generate(_alive(model_ref), *args, **kwargs)
+            except Exception as e:
+                if _fullgraph_refused(e):  # (the patched forward compiled whole: the refusal above, as dynamo words it)
+                    raise NotImplementedError(_fullgraph_message(owner_name)) from e
+                raise
             finally:
                 state.generating -= 1
 
@@ -2049,6 +2054,12 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
     if if_else_none(arg) and self_attr(arg.body, "sliding_window") and sliding_flag(arg.test) and config_window(value):
         return True, self_attr(arg.test)
     return None
+
+
+def _fullgraph_message(name: str) -> str:
+    return (f"{name}'s forward (or a module of it) is compiled with torch.compile(fullgraph=True), which cannot "
+            "trace astrai-hf's paged attention (it runs Python over the pool's page tables at each step): compile "
+            "without fullgraph=True, or astrai_hf.unpatch(model) to run stock")
 
 
 def _fullgraph_refused(error: Exception) -> bool:

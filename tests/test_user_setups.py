@@ -783,7 +783,7 @@ def test_patch_and_unpatch_of_a_torch_compile_wrapper_act_on_the_model_it_wraps(
     assert not astrai_hf.is_patched(model) and set(model.__dict__) == before
 
 
-@pytest.mark.parametrize("compiled", ["the model", "its forward"])
+@pytest.mark.parametrize("compiled", ["the model", "its forward", "its patched forward"])
 def test_fullgraph_compiles_score_as_stock_and_refuse_a_paged_generate_by_name(compiled):
     # torch.compile(model, fullgraph=True): a scoring forward (no cache) had failed on the patch's call lock, and a
     # patched generate() with a fullgraph forward failed on a raw dynamo error about a weak reference
@@ -795,9 +795,11 @@ def test_fullgraph_compiles_score_as_stock_and_refuse_a_paged_generate_by_name(c
     tokens = model.generate(ids, **kw)
     if compiled == "the model":
         target = torch.compile(model, backend="eager", fullgraph=True)
-    else:
+    elif compiled == "its forward":
         model.forward = target = torch.compile(model.forward, backend="eager", fullgraph=True)
     astrai_hf.patch(model, max_tokens=1024)
+    if compiled == "its patched forward":  # (dynamo traces the patch's wrapper, which had failed on its lock)
+        model.forward = target = torch.compile(model.forward, backend="eager", fullgraph=True)
     try:
         with torch.no_grad():
             assert torch.equal(target(ids, attention_mask=mask).logits, ref)
@@ -811,6 +813,37 @@ def test_fullgraph_compiles_score_as_stock_and_refuse_a_paged_generate_by_name(c
         assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
     finally:
         astrai_hf.unpatch(model)
+
+
+def test_the_patched_forward_compiled_without_fullgraph_generates_paged_and_as_stock():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 4, 9])
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    want = model.generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=1024)
+    try:
+        model.forward = torch.compile(model.forward, backend="eager")
+        assert torch.equal(model.generate(ids, **kw), want)
+        stats = astrai_hf.get_pool(model).stats()
+        assert stats["prefix_query_tokens"] > 0 and stats["num_used_pages"] == 0  # (it ran paged)
+    finally:
+        astrai_hf.unpatch(model)
+
+
+def test_a_config_copied_or_saved_by_a_hook_during_a_paged_forward_holds_nothing_of_astrai_hf(tmp_path):
+    # the implementation a config selects outside a paged forward had been noted on the config, so a config saved by
+    # a checkpointing hook mid-forward carried the note into config.json
+    import json
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 4])
+    saved = []
+    model.lm_head.register_forward_hook(
+        lambda *a: saved.append(model.config.to_dict()) or model.config.save_pretrained(tmp_path))
+    with astrai_hf.patched(model, max_tokens=1024):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    assert saved and not [k for d in saved for k in d if "astrai" in k]
+    assert "astrai" not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
 
 
 def test_the_multi_turn_recipe_passing_the_returned_cache_back_leaves_nothing_used():
