@@ -1038,7 +1038,10 @@ def _wrap_forward(owner, forward, state: PatchState):
             cache.checked_model = id(model)
             cache.check_prefix_hits()
         if not cache.made_by_generate and not cache._first_step_planned:
-            _sync_windows(state)  # a cache of the caller's starts: the config may have changed since the last call
+            # a cache of the caller's starts: the config may have changed since the last call, and a module's dropout
+            # or gradient checkpointing been switched on
+            _sync_windows(state)
+            state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:

@@ -644,3 +644,33 @@ def test_a_first_forward_the_models_own_attention_runs_stores_no_padding_for_the
         assert cache.seq_lens == [6 + 5, 9 + 5]  # (no padding stored)
     assert torch.equal(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_made", ["with the prompt", "empty"])
+def test_dropout_switched_on_after_patch_applies_in_a_loop_of_ones_own(cache_made):
+    # a cache built with the prompt skipped the per-cache look at the model, so the modules that drop out were
+    # those listed at patch(): a layer's attention dropout switched on since ran paged attention, without it
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([6, 6], seed=3)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    astrai_hf.patch(model, max_tokens=512)
+    try:
+        attention = model.model.layers[0].self_attn
+        attention.attention_dropout = 0.5
+        attention.train()
+
+        def run(cache):
+            torch.manual_seed(0)
+            with torch.no_grad():
+                return model(ids, attention_mask=mask, position_ids=pos, **{astrai_hf.cache_kwarg(model): cache}).logits
+
+        ref = run(_dynamic(model))
+        pool = astrai_hf.get_pool(model)
+        cache = PagedCache(pool, ids, mask) if cache_made == "with the prompt" else PagedCache(pool)
+        try:
+            torch.testing.assert_close(run(cache), ref, rtol=0, atol=1e-5)
+        finally:
+            cache.release()
+        assert pool.stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(model)
