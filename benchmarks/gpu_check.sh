@@ -11,6 +11,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}" && cd "$1" && pwd)"
 py="${PYTHON:-python3}"
 site="$(mktemp -d)"
+trap 'rm -rf "$site"' EXIT  # (the copy of the package and the wheels installed for this run)
 # astrai-hf as installed, without building a wheel: the package plus patches/ as astrai_hf.patches
 cp -r "$repo/astrai_hf" "$site/astrai_hf" && rm -rf "$site/astrai_hf/patches" && cp -r "$repo/patches" "$site/astrai_hf/patches"
 if compgen -G "$repo/.whl/*.whl" >/dev/null; then
