@@ -1005,13 +1005,13 @@ def _wrap_forward(owner, forward, state: PatchState):
             # a forward of transformers' continuous batching on its worker thread, while the generate() that
             # started it holds the lock and waits for it: no paged step can be under way
             return forward(*args, **kwargs)
-        if not isinstance(cache, PagedCache) and torch.compiler.is_compiling():
-            # a forward without a paged cache traced by torch.compile (a scoring forward of a compiled model): stock's,
-            # without the lock, which a graph cannot hold (fullgraph=True had failed on it)
-            return forward(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            # this wrapper traced (the patched forward compiled): without fullgraph dynamo runs it outside its graph
-            # on this error; with fullgraph the error reaches the caller, naming the fix
+        if torch.compiler.is_compiling():  # this wrapper traced by torch.compile
+            if not isinstance(cache, PagedCache):
+                # a forward without a paged cache (a scoring forward of a compiled model): stock's, without the lock,
+                # which a graph cannot hold (fullgraph=True had failed on it)
+                return forward(*args, **kwargs)
+            # the patched forward compiled: without fullgraph dynamo runs it outside its graph on this error; with
+            # fullgraph the error reaches the caller, naming the fix
             raise NotImplementedError(_fullgraph_message(owner_name))
         with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
             try:
@@ -1029,15 +1029,17 @@ def _wrap_forward(owner, forward, state: PatchState):
             _check_chunked_attention(model, cache.pool)  # (patch() checked its own pool; this is the caller's)
             _check_window_in_mask(model, cache.pool)
             state.checked_pools.add(id(cache.pool))
+        synced = False
         if cache.pool.model is not model or cache.checked_model != id(model):
             # another model shares the pool, or the weights changed: the cached prefixes are not ours, and a cache
             # pre-filled from them must not run
             if not cache.made_by_generate:  # (generate() synced them before it made its cache)
                 _sync_modules(model, state)
+                synced = True
             cache.pool.check_weights(model)
             cache.checked_model = id(model)
             cache.check_prefix_hits()
-        if not cache.made_by_generate and not cache._first_step_planned:
+        if not cache.made_by_generate and not cache._first_step_planned and not synced:
             # a cache of the caller's starts: the config may have changed since the last call, and a module's dropout
             # or gradient checkpointing been switched on
             _sync_windows(state)
@@ -1442,6 +1444,8 @@ def _wrap_generate(owner, generate, state: PatchState):
         # (by_row: the call's peft_adapters_by_row found something, where the caller looked already: one walk)
         if by_row is None and isinstance(given, PagedCache):
             by_row = peft_adapters_by_row(model, kwargs) is not None
+        if isinstance(given, PagedCache):  # (listed before the call's _sync_modules: a Dropout added since the last)
+            state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)
         if isinstance(given, PagedCache) and (_own_attention(state) is not None or _skips_prefix_cache(
                 given.pool, model, kwargs, config, state.rope_by_length, state.embeds_token_types, by_row)):
             # a call that cannot build on cached prefixes (candidate decoding crops and re-verifies from the prompt
@@ -1914,10 +1918,10 @@ def _sync_modules(model, state: PatchState) -> None:
     if quantized is not None:
         raise NotImplementedError(f"{type(model).__name__} (it changed since patch()): {quantized}; unpatch it")
     modules, reordered = attention_modules_in_place(model)
-    if reordered:  # (the same modules, in other places: their layer_idx may no longer give their kind of layer)
-        _check_attention_modules(model, modules, " (it changed since patch())")
-    if [id(m) for m in modules] != [id(ref()) for ref in state.module_refs]:
-        _check_attention_modules(model, modules, " (it changed since patch())")
+    changed = [id(m) for m in modules] != [id(ref()) for ref in state.module_refs]
+    if changed or reordered:  # (reordered: the same modules in other places, whose layer_idx may no longer give
+        _check_attention_modules(model, modules, " (it changed since patch())")  # their kind of layer)
+    if changed:
         _check_not_shared(model, modules, state, " (it changed since patch())")
         _attach_modules(model, state, modules)
         _close_runners(state)  # captured over the modules that left
@@ -2330,7 +2334,9 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     autocast = autocast_on(pool)
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
-    dropout, checkpointing = mode_sensitive_modules(model)
+    state = model.__dict__.get(_STATE_ATTR)  # (its lists are this call's: _sync_modules made them)
+    dropout, checkpointing = ((state.dropout_modules, state.checkpointing_modules) if state is not None
+                              else mode_sensitive_modules(model))
     dropout = dropout_active(dropout) or checkpointing_drops_cache(checkpointing)
     # a decoding loop of the caller's (custom_generate) may feed the whole prompt to the cache it is handed, which
     # on stock is always empty

@@ -688,7 +688,8 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
         return (f"its config.layer_types name layers of a kind paged attention does not serve "
                 f"({', '.join(other)}): their cache holds more than each token's K/V (an indexer's keys, "
                 "compressed blocks)")
-    present = _attention_layers_present(model)
+    layer_list = _attention_layer_list(model)
+    present = len(layer_list) if layer_list is not None else None
     if found and not other and isinstance(layers, int) and found != list(range(layers)) and present:
         where = f"{present} layers hold self-attention modules of layer_idx {found}"
         if present != layers:
@@ -697,7 +698,7 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
                     f"module's layer_idx to its place (0 to {present - 1})")
         return (f"its {where}, not 0 to {present - 1} (layers reordered or replaced without renumbering?); set each "
                 "attention module's layer_idx to its place")
-    moved = _moved_across_layer_types(model, types)
+    moved = _moved_across_layer_types(layer_list, types)
     if moved is not None:
         return moved
     if found and (other or (isinstance(layers, int) and found != list(range(layers)))):
@@ -707,15 +708,9 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
     return _state_layers(text) or _kv_geometry(text)
 
 
-def _attention_layers_present(model: torch.nn.Module) -> int | None:
-    """The length of ``model``'s list of layers when each of them has self-attention (a model whose layers were
-    removed, added or reordered by hand: a hybrid's list holds layers without it too), else None."""
-    layers = _attention_layer_list(model)
-    return len(layers) if layers is not None else None
-
-
 def _attention_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """``model``'s list of layers when each of them has self-attention, else None."""
+    """``model``'s list of layers when each of them has self-attention (a model whose layers were removed, added or
+    reordered by hand: a hybrid's list holds layers without it too), else None."""
     attention = {id(m) for m in attention_modules(model, every_copy=True)}
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and all(
@@ -724,14 +719,12 @@ def _attention_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return None
 
 
-def _moved_across_layer_types(model: torch.nn.Module, types: list) -> str | None:
-    """Why a model whose layers were reordered without renumbering cannot be served, or None: stock applies the
-    mask of the kind ``config.layer_types`` gives a layer's place (sliding or full), and paged attention the window
-    of its module's ``layer_idx``; they differ where a layer moved to a place of the other kind."""
-    if not types:
-        return None
-    layers = _attention_layer_list(model)
-    if layers is None or len(layers) != len(types):
+def _moved_across_layer_types(layers: torch.nn.ModuleList | None, types: list) -> str | None:
+    """Why a model whose layers (its :func:`_attention_layer_list`) were reordered without renumbering cannot be
+    served, or None: stock applies the mask of the kind ``config.layer_types`` gives a layer's place (sliding or
+    full), and paged attention the window of its module's ``layer_idx``; they differ where a layer moved to a place
+    of the other kind."""
+    if not types or layers is None or len(layers) != len(types):
         return None
     for place, layer in enumerate(layers):
         for m in attention_modules(layer):
