@@ -140,3 +140,19 @@ def install(monkeypatch) -> list[CUDAGraph]:
                             is_current_stream_capturing=lambda: bool(capturing)).items():
         monkeypatch.setattr(torch.cuda, name, value)
     return captured
+
+
+def install_capturing(monkeypatch) -> list[CUDAGraph]:
+    """:func:`install`, with every ``DecodeGraphRunner`` made from now on capturing through the stand-in (as on
+    CUDA) instead of running its eager stand-in; returns the list of graphs captured."""
+    from astrai_hf import graphs
+
+    made = install(monkeypatch)
+    init = graphs.DecodeGraphRunner.__init__
+
+    def init_capturing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_cuda_graphs = True
+
+    monkeypatch.setattr(graphs.DecodeGraphRunner, "__init__", init_capturing)
+    return made

@@ -184,16 +184,8 @@ def test_gemma2_switched_from_sdpa_to_eager_computes_nothing_from_before_the_swi
         pytest.skip("this transformers release runs Gemma 2 on eager attention only")
     if kept == "decode graphs":
         import graph_tape
-        from astrai_hf import graphs
 
-        graph_tape.install(monkeypatch)
-        init = graphs.DecodeGraphRunner.__init__
-
-        def init_capturing(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            self.use_cuda_graphs = True
-
-        monkeypatch.setattr(graphs.DecodeGraphRunner, "__init__", init_capturing)
+        graph_tape.install_capturing(monkeypatch)
     stock = _gemma2_past_its_softcap("eager")
     ids, mask = left_padded_batch([20, 13], seed=1)
     kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)

@@ -9,7 +9,7 @@ import torch
 
 import astrai_hf
 import graph_tape
-from astrai_hf import PagePool, graphs
+from astrai_hf import PagePool
 from tiny_models import ARCHS, left_padded_batch, reads_the_host, tiny_model
 
 pytestmark = pytest.mark.equivalence
@@ -18,15 +18,7 @@ pytestmark = pytest.mark.equivalence
 @pytest.fixture
 def captured(monkeypatch):
     """The graphs captured, in order, with every runner capturing through the stand-in (as on CUDA)."""
-    made = graph_tape.install(monkeypatch)
-    init = graphs.DecodeGraphRunner.__init__
-
-    def init_capturing(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.use_cuda_graphs = True
-
-    monkeypatch.setattr(graphs.DecodeGraphRunner, "__init__", init_capturing)
-    return made
+    return graph_tape.install_capturing(monkeypatch)
 
 
 def _runner(model):
