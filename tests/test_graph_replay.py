@@ -195,8 +195,10 @@ def test_a_peft_adapter_disabled_after_capture_gets_the_graphs_captured_again(ca
 
 
 def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
-    # the stand-in refuses host reads during a capture, as CUDA refuses them on a capturing stream; transformers
-    # skips its own (GPT-2's padding check) when it sees a capture
+    # the stand-in refuses host reads during a capture, as CUDA refuses them on a capturing stream. GPT-2's forward
+    # checks its input ids for the pad token where no attention mask is given (the runner gives none): transformers
+    # skips the check when it sees a capture, and the runner skips it in its own forward, also where transformers
+    # does not see the capture (a release before the check looked)
     stock, model = tiny_model("gpt2", pad_token_id=0), tiny_model("gpt2", pad_token_id=0)
     ids, mask = left_padded_batch([5, 9], seed=1)
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
@@ -204,11 +206,11 @@ def test_a_capture_reads_nothing_back_to_the_host(captured, monkeypatch):
     with _patched(model):
         assert torch.equal(model.generate(ids, **kw), want)
     assert len(captured) == 1
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # GPT-2 reads then
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # transformers' check runs then
     with _patched(model):
-        assert torch.equal(model.generate(ids, **kw), want)  # eagerly
-        assert "reads a tensor back to the host" in _runner(model).uncapturable
-    assert len(captured) == 1
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert _runner(model).uncapturable is None
+    assert len(captured) == 2
 
 
 UNCAPTURABLE = {

@@ -300,16 +300,23 @@ def test_a_hand_loop_without_positions_through_the_runner_gives_stocks_logits(ar
     assert pool.stats()["num_used_pages"] == 0
 
 
-def test_decode_through_the_runner_says_nothing_stock_does_not(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decode_through_the_runner_says_nothing_stock_does_not(monkeypatch, arch):
     # the runner asked its output `"past_key_values" in out`, on which transformers 5.24's ModelOutput logs a
-    # deprecation warning (once per process, hence the spy on every call of it); stock generate() logs nothing
+    # deprecation warning; GPT-2's forward warns of padding where a pad token id comes with no attention mask,
+    # which the runner's forward passes none of (paged attention reads each row's padding from its cache).
+    # Spies on every call of warning_once (it logs once per process)
+    import transformers.modeling_utils as modeling_utils
     import transformers.utils.generic as generic
 
     said = []
-    monkeypatch.setattr(generic.logger, "warning_once", lambda *a, **k: said.append(a))
-    model = tiny_model("llama")
-    ids, mask = left_padded_batch([5, 9], seed=3)
+    for module in (generic, modeling_utils):
+        monkeypatch.setattr(module.logger, "warning_once", lambda *a, **k: said.append(a))
+    model = tiny_model(arch)
+    assert model.config.pad_token_id == 0
+    ids, mask = left_padded_batch([5, 9, 3], seed=3)  # 3 rows: bucket 4 pads a row, fed token 0
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert said == []
     out, runner = _generate(model, ids, mask, graphs=True, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, ref) and runner.replays > 0
     assert said == []
