@@ -305,6 +305,8 @@ class PagedCache(Cache):
         B, L = input_ids.shape
         if B == 0:
             raise ValueError(f"input_ids of shape {(B, L)} holds no prompt; pass at least one row")
+        if L == 0:
+            raise ValueError(f"input_ids of shape {(B, L)} holds no prompt; pass at least one token per row")
         pads = [0] * B
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (B, L):

@@ -2275,6 +2275,9 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
         if input_ids.shape[0] == 0:
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no prompt; pass at least one row")
+        if input_ids.shape[1] == 0 and kwargs.get("inputs_embeds") is None:
+            raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no prompt; pass at least one token "
+                             "per row")
         if attention_mask is not None and attention_mask.shape == input_ids.shape:
             empty = (attention_mask == 0).all(-1).nonzero().flatten().tolist()
             if empty:

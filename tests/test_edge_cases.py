@@ -723,6 +723,21 @@ def test_an_empty_batch_gets_a_clear_error():
         astrai_hf.PagedCache(PagePool.from_model(model, max_tokens=64), ids[:0], mask[:0])
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_prompt_of_no_tokens_gets_a_clear_error(masked):
+    # it had been blamed on the pad token (a pad token id of None named) or on the mask's rows
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id = None
+    ids = torch.zeros(2, 0, dtype=torch.long)
+    kw = dict(attention_mask=torch.zeros(2, 0, dtype=torch.long)) if masked else {}
+    with astrai_hf.patched(model):
+        with pytest.raises(ValueError, match=r"input_ids of shape \(2, 0\) holds no prompt; pass at least one token"):
+            model.generate(ids, max_new_tokens=2, **kw)
+        assert _used(model) == 0
+    with pytest.raises(ValueError, match=r"shape \(2, 0\) holds no prompt"):
+        astrai_hf.PagedCache(PagePool.from_model(model, max_tokens=64), ids, kw.get("attention_mask"))
+
+
 def test_candidates_past_max_seq_len_get_an_error_that_says_why():
     """Prompt lookup verifies candidate tokens past the generation length; a pool with no room for them refuses
     with an error that says so, and nothing is leaked."""
