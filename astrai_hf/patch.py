@@ -1326,8 +1326,10 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
             "on one CUDA device); patch(model, cuda_graphs=True) to capture (off CUDA that is an eager stand-in, "
             "which captures nothing)"
         )
-    pool = pool or state.pool
-    with state.lock:
+    # a call of another model on the pool finishes first, as for a call of this one (binding the pool to this model
+    # between two of its steps would clear the prefix cache under it)
+    with _one_call(state, pool):
+        pool = pool or state.pool
         if id(pool) not in state.checked_pools:
             pool.check_model(model)
             state.checked_pools.add(id(pool))
@@ -2518,7 +2520,9 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, mod
     if total > pool.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "
-            f"max_seq_len={pool.max_seq_len}; build a larger PagePool or lower {setting}"
+            f"max_seq_len={pool.max_seq_len}; give the pool a larger max_seq_len (PagePool.from_model(model, "
+            f"max_seq_len={total}), or patch(model, max_seq_len={total}) for the pool patch() builds) or lower "
+            f"{setting}"
         )
     capacity = pool.allocator.num_usable * pool.page_size
     if prompt_len > capacity:  # certain to fail: refused before any forward

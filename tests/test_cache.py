@@ -161,8 +161,9 @@ def test_the_default_length_is_checked_before_any_forward(llama, monkeypatch):
     try:
         with monkeypatch.context() as m:
             m.setattr(type(llama), "forward", lambda *a, **k: calls.append(1))
-            with pytest.raises(ValueError, match=r"reaches 36 tokens, more than the pool's max_seq_len=32; .* "
-                               r"lower max_new_tokens \(default 20\)"):
+            with pytest.raises(ValueError, match=r"reaches 36 tokens, more than the pool's max_seq_len=32; give the "
+                               r"pool a larger max_seq_len \(PagePool.from_model\(model, max_seq_len=36\), or "
+                               r"patch\(model, max_seq_len=36\) .* lower max_new_tokens \(default 20\)"):
                 llama.generate(ids, attention_mask=mask, do_sample=False)
             # the error names the setting that set the length, as the caller gave it
             with pytest.raises(ValueError, match=r"reaches 40 tokens, .* lower max_length=40$"):

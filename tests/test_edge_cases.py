@@ -369,6 +369,43 @@ def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other(b_pa
         astrai_hf.unpatch(b)
 
 
+def test_capture_graphs_of_another_model_on_the_pool_waits_for_a_call_under_way():
+    # capture_graphs(b) binds the pool to b: between two steps of a's call it had cleared the prefix cache under
+    # that call (a's prompt and answer were not cached), as a call of b's would have, which waits
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids, mask = left_padded_batch([20], seed=3)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=12)
+    want = a.generate(ids, **kw)
+    astrai_hf.patch(a, max_tokens=1024, page_size=4, max_reqs=4)
+    astrai_hf.patch(b, pool=astrai_hf.get_pool(a), cuda_graphs=True)
+    seen = {}
+
+    class CapturesB:
+        steps, thread = 0, None
+
+        def put(self, value):
+            self.steps += 1
+            if self.steps == 4:
+                self.thread = threading.Thread(target=lambda: seen.update(captured=astrai_hf.capture_graphs(b)))
+                self.thread.start()
+                self.thread.join(timeout=3.0)
+                seen["waited"] = self.thread.is_alive()  # for a's call to end
+
+        def end(self):
+            pass
+
+    try:
+        streamer = CapturesB()
+        out = a.generate(ids, **kw, streamer=streamer)
+        streamer.thread.join()
+        assert torch.equal(out, want)
+        assert seen["waited"] and seen["captured"] == {4: 0.0, 2: 0.0, 1: 0.0}
+        assert _used(a) == 0
+    finally:
+        astrai_hf.unpatch(a)
+        astrai_hf.unpatch(b)
+
+
 def test_another_model_on_the_pool_called_from_a_streamer_in_the_same_thread_leaves_the_call_intact():
     # the nested call takes the pool over and clears its prefix cache; the outer call, whose cache started from a
     # prefix hit of its own model's, had then refused to go on ("the prefix cache ... has been cleared since")
