@@ -265,6 +265,9 @@ class PagePool:
                     "weights (or dispatch the model with a device_map), or pass device= to the pool"
                 )
         if "dtype" not in kwargs and layers:
+            mixed = _mixed_dtypes(model, layers)
+            if mixed is not None:
+                raise TypeError(mixed)
             kwargs["dtype"] = _module_dtype(layers[0])
         if "num_kv_heads" not in kwargs:
             kwargs["num_kv_heads"] = model_kv_spec(model, layers).num_kv_heads
@@ -309,12 +312,14 @@ class PagePool:
                     f"but {type(model).__name__} has {name}={getattr(spec, name)}; build the pool with "
                     "PagePool.from_model(model)"
                 )
-        for module in attention_modules(model):
+        modules = attention_modules(model)
+        for module in modules:
             idx = module.layer_idx
             dev, dt = _module_device(module), _module_dtype(module)
             if dt != self.dtype:
-                raise TypeError(f"the model computes K/V in {dt}, but the pool stores {self.dtype}; build the pool "
-                                "with PagePool.from_model(model) after the model's dtype is set")
+                raise TypeError(_mixed_dtypes(model, modules) or (
+                    f"the model computes K/V in {dt}, but the pool stores {self.dtype}; build the pool with "
+                    "PagePool.from_model(model) after the model's dtype is set"))
             if dev != self.config.layer_devices[idx]:
                 raise ValueError(
                     f"layer {idx} of the model is on {dev}, but this PagePool keeps its K/V on "
@@ -864,6 +869,19 @@ def _module_device(module: torch.nn.Module) -> torch.device:
         return tensors[0].device  # meta: no data, and nothing says where it would run (refused by from_model)
     # no parameters at all: torch's dynamically quantized Linear layers keep packed weights, which run on the CPU
     return torch.device("cpu")
+
+
+def _mixed_dtypes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> str | None:
+    """Why a pool cannot hold the K/V of ``model``, whose attention layers ``modules`` compute in several dtypes
+    (a layer kept in float32 in a bfloat16 model), naming the layers of each; None where they compute in one."""
+    layers: dict[torch.dtype, list[int]] = {}
+    for module in modules:
+        layers.setdefault(_module_dtype(module), []).append(module.layer_idx)
+    if len(layers) < 2:
+        return None
+    each = "; ".join(f"layers {idx} in {dtype}" for dtype, idx in layers.items())
+    return (f"{type(model).__name__}'s attention layers compute K/V in several dtypes ({each}), and a PagePool holds "
+            "one; cast them to one dtype (model.to(dtype)) to run it paged")
 
 
 def _module_dtype(module: torch.nn.Module) -> torch.dtype:

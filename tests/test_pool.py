@@ -160,6 +160,30 @@ def test_dtype_mismatch_is_a_type_error(llama):
     assert pool.stats()["num_used_pages"] == 0
 
 
+def test_a_model_whose_layers_compute_in_several_dtypes_is_refused_naming_them():
+    # a layer kept in float32 in a bfloat16 model: from_model had built a bfloat16 pool, patch() took it, and the
+    # first generate() refused with advice to build the very pool it had
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    model.model.layers[1].float()
+    message = (r"LlamaForCausalLM's attention layers compute K/V in several dtypes \(layers \[0\] in torch.bfloat16; "
+               r"layers \[1\] in torch.float32\), and a PagePool holds one; cast them to one dtype")
+    with pytest.raises(TypeError, match=message):
+        PagePool.from_model(model, max_tokens=64)
+    with pytest.raises(TypeError, match=message):
+        astrai_hf.patch(model, max_tokens=64)
+    assert not astrai_hf.is_patched(model)
+    pool = PagePool.from_model(model, max_tokens=64, dtype=torch.bfloat16)  # a dtype given: the check names them
+    with pytest.raises(TypeError, match=message):
+        astrai_hf.patch(model, pool=pool)
+    with pytest.raises(TypeError, match=r"layer 1 produced K in torch.float32 .* stores torch.bfloat16; .* a model "
+                       "whose layers compute K/V in several, a layer kept in float32, is cast to one first"):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, past_key_values=PagedCache(pool))
+    assert pool.stats()["num_used_pages"] == 0
+    model.to(torch.bfloat16)
+    astrai_hf.patch(model, pool=pool)
+    astrai_hf.unpatch(model)
+
+
 def test_device_mismatch_is_a_value_error(llama):
     pool = PagePool.from_model(llama, max_tokens=64, device="meta")
     with pytest.raises(ValueError, match="layer 0 of the model is on cpu.*meta"):
