@@ -32,7 +32,7 @@ import torch
 from .attention.reference import _attend
 from .cache import autocast_on
 from .metadata import StepMetadata
-from .packing import last_logits_only
+from .packing import last_logits_only, padding_check_skipped
 from .pool import ModelLayout, has_caller_hooks, holds_tensor
 from .storage import gather_kv
 
@@ -43,38 +43,6 @@ class CaptureRefused(RuntimeError):
     """The model's decode step could not be captured as a CUDA graph (CUDA refused an operation of its forward on a
     capturing stream: a read back to the host, a synchronisation). The step runs eagerly instead; see
     :attr:`DecodeGraphRunner.uncapturable`."""
-
-
-class _no_padding_check:
-    """Within it, the forward of ``model`` (and of its base model) skips transformers' check for padding without an
-    attention mask (``warn_if_padding_and_no_attention_mask``, which GPT-2's forward runs on its input ids).
-
-    The runner's forward passes no mask: paged attention reads each row's padding from its cache. The check would
-    read the ids back to the host (a synchronisation at a warm-up) and warn wherever the pad token id is fed, as a
-    finished row or a bucket's padded row is, though the call gave a mask. It is shadowed on the instances, not
-    the class, so only this model's forward skips it."""
-
-    _NAME = "warn_if_padding_and_no_attention_mask"
-
-    def __init__(self, model):
-        self.modules = [] if model is None else list({id(m): m for m in (model, getattr(model, "base_model", None))
-                                                      if isinstance(m, torch.nn.Module)}.values())
-
-    def __enter__(self):
-        self.held = [module.__dict__.get(self._NAME) for module in self.modules]  # (one set on an instance)
-        for module in self.modules:
-            module.__dict__[self._NAME] = _skip_padding_check
-
-    def __exit__(self, *exc):
-        for module, held in zip(self.modules, self.held):
-            if held is None:
-                module.__dict__.pop(self._NAME, None)
-            else:
-                module.__dict__[self._NAME] = held
-
-
-def _skip_padding_check(input_ids, attention_mask) -> None:
-    return None
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -436,7 +404,7 @@ class DecodeGraphRunner:
         table.write_ids(rows, cols, ws.input_ids[:bucket, 0])
         state.step, cache._step, cache._step_layers = gstep, gstep, set()
         args = {k: v for k, v in kwargs.items() if k not in ("input_ids", "position_ids", "attention_mask")}
-        with _no_padding_check(self.model):
+        with padding_check_skipped(state.watched.mask_checks):
             out = self.forward(input_ids=ws.input_ids[:bucket], position_ids=ws.position_ids[:bucket],
                                attention_mask=None, **args)
         gstep.layers = frozenset(cache._step_layers)

@@ -84,6 +84,41 @@ def ids_outside_vocabulary(model, input_ids: torch.Tensor) -> bool:
     return not bool(0 <= input_ids.min() and input_ids.max() < size)
 
 
+PADDING_CHECK = "warn_if_padding_and_no_attention_mask"
+
+
+class padding_check_skipped:
+    """Within it, the forward of each of ``modules`` (a model's ``WatchedModules.mask_checks``: its
+    ``PreTrainedModel`` modules) skips transformers' check for padding without an attention mask, which GPT-2's
+    forward runs on its input ids.
+
+    A packed prefill and a decode step of the graph runner pass no mask: paged attention reads each row's padding
+    from the cache. The check would read the ids back to the host and warn wherever the pad token id is fed (a
+    bucket's padded row, a finished row, a pad token id that is also the eos token's), though the call gave a
+    mask, as stock's forwards, given it, never warn. It is shadowed on the instances, not the class, so only this
+    model's forwards skip it; an attribute of that name already on an instance is restored after.
+    """
+
+    def __init__(self, modules: list):
+        self.modules = modules
+
+    def __enter__(self):
+        self.held = [module.__dict__.get(PADDING_CHECK) for module in self.modules]
+        for module in self.modules:
+            module.__dict__[PADDING_CHECK] = _skip_padding_check
+
+    def __exit__(self, *exc):
+        for module, held in zip(self.modules, self.held):
+            if held is None:
+                module.__dict__.pop(PADDING_CHECK, None)
+            else:
+                module.__dict__[PADDING_CHECK] = held
+
+
+def _skip_padding_check(input_ids, attention_mask) -> None:
+    return None
+
+
 def packed_forward(forward, kwargs: dict, cache, state, step: StepMetadata, input_ids: torch.Tensor,
                    chunk_tokens: int | None):
     """Run the step ``step`` (already planned by ``cache``) packed, in chunks of at most ``chunk_tokens`` tokens.
@@ -114,15 +149,16 @@ def packed_forward(forward, kwargs: dict, cache, state, step: StepMetadata, inpu
         last = [e - 1 - start for e in ends if start < e <= stop]
         cache._step, cache._step_layers = sub, set()
         state.step = sub
-        out = forward(
-            **{
-                **kwargs,
-                "input_ids": ids[:, start:stop],
-                "position_ids": positions[:, start:stop],
-                "attention_mask": None,
-                "logits_to_keep": torch.tensor(last, dtype=torch.long, device=ids.device),
-            }
-        )
+        with padding_check_skipped(state.watched.mask_checks):
+            out = forward(
+                **{
+                    **kwargs,
+                    "input_ids": ids[:, start:stop],
+                    "position_ids": positions[:, start:stop],
+                    "attention_mask": None,
+                    "logits_to_keep": torch.tensor(last, dtype=torch.long, device=ids.device),
+                }
+            )
         logits.append(out.logits[0])
     rows = torch.cat(logits)  # [R, vocab], rows in order: every row ends in exactly one chunk
     if g > 1:

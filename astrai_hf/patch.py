@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -55,9 +56,8 @@ class PatchState:
     rope_by_length: bool = False  # RoPE frequencies depend on the forward's length: no prefix reuse, no chunks
     embeds_token_types: bool = True  # token types (zeros too) enter the embeddings: no prefix reuse with them
     runners: dict = field(default_factory=dict)  # id(pool) -> DecodeGraphRunner
-    # modules whose forward changes in training mode (mode_sensitive_modules), read again at each call
-    dropout_modules: list = field(default_factory=list)
-    checkpointing_modules: list = field(default_factory=list)
+    # modules whose forward changes in training mode or checks for padding (watched_modules), listed at each call
+    watched: WatchedModules = field(default_factory=lambda: WatchedModules([], [], []))
     # id(attention module) -> the sliding window its config gives, where the module's own attribute disagrees
     windows: dict = field(default_factory=dict)
     # the sizing patch() built the default pool with (None: the caller gave the pool); such a pool is rebuilt when
@@ -285,7 +285,7 @@ def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefil
         own_pool_kwargs=own_pool_kwargs,
     )
     state.checked_pools.add(id(pool))
-    state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)
+    state.watched = watched_modules(model)
     _install(model, state, modules)
     logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
                 "on" if state.packable and pack_prefill else "off")
@@ -1043,7 +1043,7 @@ def _wrap_forward(owner, forward, state: PatchState):
             # a cache of the caller's starts: the config may have changed since the last call, and a module's dropout
             # or gradient checkpointing been switched on
             _sync_windows(state)
-            state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)
+            state.watched = watched_modules(model)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
@@ -1066,13 +1066,13 @@ def _wrap_forward(owner, forward, state: PatchState):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
             # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
             return forward(*args, **kwargs)
-        if dropout_active(state.dropout_modules) or _own_attention(state) is not None:
+        if dropout_active(state.watched.dropout) or _own_attention(state) is not None:
             # training mode with dropout: the model's own attention applies its dropout (paged attention has none);
             # an attention function of the caller's (AttentionInterface.register) computes what it computes. Either
             # runs over K/V gathered from the pool, and its K/V are no prefix for a later prompt
             cache._rows.reusable = False
             return forward(*args, **kwargs)
-        if checkpointing_drops_cache(state.checkpointing_modules):
+        if checkpointing_drops_cache(state.watched.checkpointing):
             # gradient checkpointing in training mode: transformers hands the layers no cache, so the model runs as
             # stock does then, on the inputs alone, and stores nothing (paged attention would read unwritten slots)
             cache._rows.reusable = False
@@ -1187,18 +1187,32 @@ def _custom_mask(kwargs: dict, check_token_types: bool = True) -> bool:
     return check_token_types and any(isinstance(kwargs.get(name), torch.Tensor) and bool(kwargs[name].any()) for name in _TOKEN_TYPES)
 
 
-def mode_sensitive_modules(model: torch.nn.Module) -> tuple[list, list]:
-    """The modules of ``model`` whose forward changes in training mode, for :func:`dropout_active` and
-    :func:`checkpointing_drops_cache` to read their ``training`` flags (one walk of the model, made once per call:
-    reading every module's flag each forward would cost a walk a step).
+class WatchedModules(NamedTuple):
+    """Modules of a model a paged forward looks at (:func:`watched_modules`).
 
-    Returns:
-        ``(dropout, checkpointing)``: every ``nn.Dropout`` (any kind) with ``p > 0`` and every module with a float
-        attribute above 0 whose name has ``dropout`` in it (a model without dropout, most checkpoints: none); every
-        module with ``gradient_checkpointing`` set.
+    Attributes:
+        dropout: every ``nn.Dropout`` (any kind) with ``p > 0`` and every module with a float attribute above 0
+            whose name has ``dropout`` in it (a model without dropout, most checkpoints: none).
+        checkpointing: every module with ``gradient_checkpointing`` set.
+        mask_checks: every module with transformers' check for padding without an attention mask
+            (``warn_if_padding_and_no_attention_mask``, a ``PreTrainedModel``'s), which a forward without a mask of
+            astrai-hf's skips (:class:`astrai_hf.packing.padding_check_skipped`).
     """
-    dropout, checkpointing = [], []
+
+    dropout: list
+    checkpointing: list
+    mask_checks: list
+
+
+def watched_modules(model: torch.nn.Module) -> WatchedModules:
+    """The modules of ``model`` whose forward changes in training mode, for :func:`dropout_active` and
+    :func:`checkpointing_drops_cache` to read their ``training`` flags, and those that check their input ids for
+    padding (one walk of the model, made once per call: reading every module's flag each forward would cost a
+    walk a step)."""
+    dropout, checkpointing, mask_checks = [], [], []
     for m in model.modules():
+        if hasattr(type(m), packing.PADDING_CHECK):
+            mask_checks.append(m)
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             if m.p > 0:
                 dropout.append(m)
@@ -1206,11 +1220,11 @@ def mode_sensitive_modules(model: torch.nn.Module) -> tuple[list, list]:
             dropout.append(m)
         if getattr(m, "gradient_checkpointing", False) is True:
             checkpointing.append(m)
-    return dropout, checkpointing
+    return WatchedModules(dropout, checkpointing, mask_checks)
 
 
 def dropout_active(modules) -> bool:
-    """Whether one of ``modules`` (a model's first list from :func:`mode_sensitive_modules`) is in training mode
+    """Whether one of ``modules`` (the ``dropout`` list of :func:`watched_modules`) is in training mode
     and drops out: an ``nn.Dropout`` with ``p > 0``, or a float attribute whose name has ``dropout`` in it
     (``attention_dropout``, ``self.dropout`` handed to ``F.dropout``) above 0. Each module's own flag counts: a
     layer put in training mode in a model in eval mode (``model.eval(); model.model.layers[0].train()``) drops out
@@ -1229,7 +1243,7 @@ def dropout_active(modules) -> bool:
 
 
 def checkpointing_drops_cache(modules) -> bool:
-    """Whether one of ``modules`` (a model's second list from :func:`mode_sensitive_modules`) runs gradient
+    """Whether one of ``modules`` (the ``checkpointing`` list of :func:`watched_modules`) runs gradient
     checkpointing in a forward now (training mode after ``gradient_checkpointing_enable()``): transformers hands
     such a layer no cache (releases before 5.24 also without grad mode), so it neither stores its K/V nor reads
     any, and the model runs as without a cache."""
@@ -1447,7 +1461,7 @@ def _wrap_generate(owner, generate, state: PatchState):
         if by_row is None and isinstance(given, PagedCache):
             by_row = peft_adapters_by_row(model, kwargs) is not None
         if isinstance(given, PagedCache):  # (listed before the call's _sync_modules: a Dropout added since the last)
-            state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)
+            state.watched = watched_modules(model)
         if isinstance(given, PagedCache) and (_own_attention(state) is not None or _skips_prefix_cache(
                 given.pool, model, kwargs, config, state.rope_by_length, state.embeds_token_types, by_row)):
             # a call that cannot build on cached prefixes (candidate decoding crops and re-verifies from the prompt
@@ -1915,7 +1929,7 @@ def _sync_modules(model, state: PatchState) -> None:
         NotImplementedError: a new module is one ``patch()`` would have refused.
     """
     state.rope_by_length = rope_depends_on_length(model)
-    state.dropout_modules, state.checkpointing_modules = mode_sensitive_modules(model)  # (a Dropout added, ...)
+    state.watched = watched_modules(model)  # (a Dropout added, ...)
     quantized = _dynamically_quantized(model)  # (quantize_dynamic(..., inplace=True) after patch())
     if quantized is not None:
         raise NotImplementedError(f"{type(model).__name__} (it changed since patch()): {quantized}; unpatch it")
@@ -2340,9 +2354,8 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # K/V computed under dropout (a model in training mode) are no prefix for another call, nor is an eval-mode
     # prefix what a training-mode forward computes
     state = model.__dict__.get(_STATE_ATTR)  # (its lists are this call's: _sync_modules made them)
-    dropout, checkpointing = ((state.dropout_modules, state.checkpointing_modules) if state is not None
-                              else mode_sensitive_modules(model))
-    dropout = dropout_active(dropout) or checkpointing_drops_cache(checkpointing)
+    watched = state.watched if state is not None else watched_modules(model)
+    dropout = dropout_active(watched.dropout) or checkpointing_drops_cache(watched.checkpointing)
     # a decoding loop of the caller's (custom_generate) may feed the whole prompt to the cache it is handed, which
     # on stock is always empty
     custom_loop = kwargs.get("custom_generate") is not None

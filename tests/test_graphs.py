@@ -322,6 +322,35 @@ def test_decode_through_the_runner_says_nothing_stock_does_not(monkeypatch, arch
     assert said == []
 
 
+def test_a_wrapped_gpt2_through_the_runner_says_nothing_of_padding(monkeypatch):
+    # the check runs in the inner GPT2Model, which neither the wrapper nor its base_model is: every module with the
+    # check skips it in the runner's forward
+    import transformers
+    import transformers.modeling_utils as modeling_utils
+
+    class Wrapper(transformers.GPT2PreTrainedModel, transformers.GenerationMixin):
+        def __init__(self, inner):
+            super().__init__(inner.config)
+            self.inner = inner
+
+        def forward(self, input_ids=None, past_key_values=None, attention_mask=None, position_ids=None,
+                    logits_to_keep=0, **kwargs):
+            return self.inner(input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                              position_ids=position_ids, logits_to_keep=logits_to_keep, **kwargs)
+
+    said = []
+    monkeypatch.setattr(modeling_utils.logger, "warning_once", lambda *a, **k: said.append(a))
+    model = Wrapper(tiny_model("gpt2")).eval()
+    assert model.base_model is model
+    ids, mask = left_padded_batch([5, 9, 3], seed=3)  # bucket 4 pads a row, fed token 0, the pad token
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert said == []
+    out, runner = _generate(model, ids, mask, graphs=True, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, ref) and runner.replays > 0
+    assert said == []
+    assert "warn_if_padding_and_no_attention_mask" not in vars(model.inner.transformer)
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "runner"])
 def test_a_decode_step_reads_nothing_back_from_the_device_in_astrai_hf_code(monkeypatch, graphs):
     """Host reads of tensor values (``item()``, ``tolist()``, ``bool()``, ``torch.equal``, ``nonzero``) made by

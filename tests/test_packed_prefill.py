@@ -215,3 +215,20 @@ def test_embedded_model_packed_and_chunked(spy):
     assert torch.equal(_generate(model, ids, mask, max_new_tokens=24), ref)
     assert torch.equal(_generate(model, ids, mask, max_new_tokens=24, prefill_chunk_tokens=PAGE), ref)
     assert spy["packed"] == 2 and spy["chunks"][0] == int(mask.sum())
+
+
+def test_a_packed_prefill_says_nothing_of_padding_where_stock_does_not(spy, monkeypatch):
+    # GPT-2's forward warns of padding where an input id is the pad token and no mask is given; a packed prefill
+    # gives none (paged attention reads each row's padding from the cache), so a real token equal to the pad
+    # token (a pad token id that is also eos's) had it warn, reading the ids back to the host, where stock did not
+    import transformers.modeling_utils as modeling_utils
+
+    said = []
+    monkeypatch.setattr(modeling_utils.logger, "warning_once", lambda *a, **k: said.append(a))
+    model = tiny_model("gpt2")
+    ids, mask = left_padded_batch([5, 9], seed=3)
+    ids[1, -1] = model.config.pad_token_id  # a real token, the packed row's last
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert said == []
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=3), ref) and spy["packed"] == 1
+    assert said == []
