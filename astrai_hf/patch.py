@@ -1399,6 +1399,7 @@ def _wrap_generate(owner, generate, state: PatchState):
                 state.generating -= 1
 
     def _paged_generate(model, *args, **kwargs):
+        args, kwargs = _without_empty_ids(args, kwargs)
         passed = _passed_generation_config(args, kwargs)
         config = _GenerationSettings(passed, model.generation_config)
         given = _find_cache(kwargs)
@@ -1705,6 +1706,18 @@ def _first_step_outputs_cut(out, width: int):
                       and t.shape[axis] > width else t for t in steps[0])
         setattr(out, name, (first, *steps[1:]))
     return out
+
+
+def _without_empty_ids(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A generate() call fed ``inputs_embeds`` [B, T, hidden] with ``input_ids`` of no columns [B, 0] as the call
+    fed the embeddings alone (``generate()`` makes such ids itself for them; stock gives the same tokens either
+    way), so that the empty ids are taken for no prompt of their own."""
+    ids = _call_input_ids(args, kwargs)
+    if kwargs.get("inputs_embeds") is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1]:
+        return args, kwargs
+    if args:
+        return (None, *args[1:]), kwargs
+    return args, {k: v for k, v in kwargs.items() if k not in ("inputs", "input_ids")}
 
 
 def _call_input_ids(args: tuple, kwargs: dict):

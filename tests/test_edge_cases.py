@@ -369,6 +369,23 @@ def test_two_models_on_one_pool_called_from_two_threads_wait_for_each_other(b_pa
         astrai_hf.unpatch(b)
 
 
+def test_embeddings_with_input_ids_of_no_columns_give_stocks_tokens():
+    # generate() makes ids of no columns itself for a call fed embeddings alone; passed by the caller, they had
+    # been taken for the prompt (refused: a mask not of their shape, rows of nothing but the pad token)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 6], seed=1)
+    embeds = model.get_input_embeddings()(ids).detach()
+    empty = ids[:, :0]
+    calls = [((), dict(input_ids=empty, inputs_embeds=embeds, attention_mask=mask)),
+             ((empty[:1],), dict(inputs_embeds=embeds[:1]))]
+    kw = dict(max_new_tokens=3, do_sample=False)
+    want = [model.generate(*args, **call, **kw) for args, call in calls]
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        for (args, call), w in zip(calls, want):
+            assert torch.equal(model.generate(*args, **call, **kw), w)
+            assert _used(model) == 0
+
+
 def test_capture_graphs_of_another_model_on_the_pool_waits_for_a_call_under_way():
     # capture_graphs(b) binds the pool to b: between two steps of a's call it had cleared the prefix cache under
     # that call (a's prompt and answer were not cached), as a call of b's would have, which waits
