@@ -2517,6 +2517,27 @@ def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -
     cache.fit_to(input_ids, mask if mask.dim() == 2 else None)
 
 
+def _room_for(pool: PagePool, model, tokens: int) -> str:
+    """How to give a row of ``tokens`` tokens room: the call for a pool of ``max_seq_len=tokens`` (and at least as
+    many slots), as patch() with the sizing it was given where it built ``pool``, else as PagePool.from_model."""
+    state = model.__dict__.get(_STATE_ATTR) if model is not None else None
+    own = state is not None and state.pool is pool and state.own_pool_kwargs is not None
+    sizing = dict(state.own_pool_kwargs) if own else {}
+    capacity = pool.allocator.num_usable * pool.page_size
+    more = ""
+    if capacity < tokens:  # one row of that length needs as many slots
+        if "memory_fraction" in sizing:
+            more = f" and a larger memory_fraction (the pool holds {capacity} tokens)"
+        else:
+            sizing["max_tokens"] = -(-tokens // pool.page_size) * pool.page_size
+    sizing["max_seq_len"] = tokens
+    settings = ", ".join(f"{k}={v!r}" for k, v in sizing.items())
+    if own:
+        return f"give the pool patch() builds room for them: patch(model, {settings}){more}"
+    return (f"build the pool again with room for them: PagePool.from_model(model, {settings}), with its other "
+            f"settings as they were{more}")
+
+
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, model=None) -> int:
     """Raise ValueError when the prompt plus the new tokens overflow ``pool.max_seq_len``, and CacheFullError when
     the longest prompt alone is longer than the whole pool; returns the number of new tokens ``generate()`` may
@@ -2546,9 +2567,7 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, mod
     if total > pool.max_seq_len:
         raise ValueError(
             f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "
-            f"max_seq_len={pool.max_seq_len}; give the pool a larger max_seq_len (PagePool.from_model(model, "
-            f"max_seq_len={total}), or patch(model, max_seq_len={total}) for the pool patch() builds) or lower "
-            f"{setting}"
+            f"max_seq_len={pool.max_seq_len}; {_room_for(pool, model, int(total))}, or lower {setting}"
         )
     capacity = pool.allocator.num_usable * pool.page_size
     if prompt_len > capacity:  # certain to fail: refused before any forward

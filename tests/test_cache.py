@@ -2,6 +2,7 @@
 
 import contextlib
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -149,6 +150,34 @@ def test_prompt_longer_than_max_seq_len_fails_before_any_forward(llama, monkeypa
         PagedCache(pool, torch.ones(1, 13, dtype=torch.long))
 
 
+@pytest.mark.parametrize("sizing", [dict(max_tokens=64, page_size=4), dict(max_tokens=256, page_size=4),
+                                    dict(memory_fraction=1e-6, page_size=4)])
+def test_the_advice_for_a_call_past_max_seq_len_is_a_patch_that_runs_it(sizing):
+    # it had named patch(model, max_seq_len=N), which drops the sizing patch() was given, and too few slots for
+    # a row of N tokens left the call to fail with CacheFullError mid-generation
+    model, stock = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([10], seed=1)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=70, min_new_tokens=70)
+    want = stock.generate(ids, **kw)
+    astrai_hf.patch(model, **sizing, max_seq_len=64)
+    try:
+        with pytest.raises(ValueError, match=r"reaches 80 tokens, more than the pool's max_seq_len=64; give the "
+                           r"pool patch\(\) builds room for them: patch\(model, .*\), or lower "
+                           r"max_new_tokens=70") as raised:
+            model.generate(ids, **kw)
+        call = re.search(r"(patch\(model, [^)]*\))", str(raised.value)).group(1)
+        if "memory_fraction" in sizing:  # (a fraction of the memory free: the message names it, not a value)
+            assert "and a larger memory_fraction (the pool holds" in str(raised.value)
+            return
+        assert call == ("patch(model, max_tokens=80, page_size=4, max_seq_len=80)" if sizing["max_tokens"] == 64
+                        else "patch(model, max_tokens=256, page_size=4, max_seq_len=80)")
+        exec(call, {"patch": astrai_hf.patch, "model": model})
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(model)
+
+
 def test_the_default_length_is_checked_before_any_forward(llama, monkeypatch):
     # neither max_new_tokens nor max_length: generate() makes 20 new tokens after the padded prompt
     config = llama.generation_config
@@ -161,9 +190,9 @@ def test_the_default_length_is_checked_before_any_forward(llama, monkeypatch):
     try:
         with monkeypatch.context() as m:
             m.setattr(type(llama), "forward", lambda *a, **k: calls.append(1))
-            with pytest.raises(ValueError, match=r"reaches 36 tokens, more than the pool's max_seq_len=32; give the "
-                               r"pool a larger max_seq_len \(PagePool.from_model\(model, max_seq_len=36\), or "
-                               r"patch\(model, max_seq_len=36\) .* lower max_new_tokens \(default 20\)"):
+            with pytest.raises(ValueError, match=r"reaches 36 tokens, more than the pool's max_seq_len=32; build "
+                               r"the pool again with room for them: PagePool.from_model\(model, max_seq_len=36\), "
+                               r"with its other settings as they were, or lower max_new_tokens \(default 20\)"):
                 llama.generate(ids, attention_mask=mask, do_sample=False)
             # the error names the setting that set the length, as the caller gave it
             with pytest.raises(ValueError, match=r"reaches 40 tokens, .* lower max_length=40$"):
