@@ -1213,9 +1213,9 @@ class PagedCache(Cache):
             if key_states.dtype != cfg.dtype or value_states.dtype != cfg.dtype:
                 raise TypeError(
                     f"layer {layer_idx} produced K in {key_states.dtype} and V in {value_states.dtype}, but the pool "
-                    f"stores {cfg.dtype}; build the pool with PagePool.from_model(model) after the model's dtype is set "
-                    "(a pool holds one dtype: a model whose layers compute K/V in several, a layer kept in float32, "
-                    "is cast to one first)"
+                    f"stores {cfg.dtype}; build the pool in the dtype the model computes K/V in, "
+                    f"PagePool.from_model(model, dtype={key_states.dtype}) (a pool holds one dtype: a model whose "
+                    "layers compute K/V in several, a layer kept in float32, is cast to one first)"
                 )
             if key_states.device != cfg.layer_devices[layer_idx]:
                 raise ValueError(

@@ -268,7 +268,8 @@ class PagePool:
             mixed = _mixed_dtypes(model, layers)
             if mixed is not None:
                 raise TypeError(mixed)
-            kwargs["dtype"] = _module_dtype(layers[0])
+            kwargs["dtype"] = next((dt for dt in map(_module_dtype, layers) if dt is not None), None) or (
+                _activation_dtype(model))
         if "num_kv_heads" not in kwargs:
             kwargs["num_kv_heads"] = model_kv_spec(model, layers).num_kv_heads
         if "process_group" not in kwargs:
@@ -316,7 +317,7 @@ class PagePool:
         for module in modules:
             idx = module.layer_idx
             dev, dt = _module_device(module), _module_dtype(module)
-            if dt != self.dtype:
+            if dt is not None and dt != self.dtype:
                 raise TypeError(_mixed_dtypes(model, modules) or (
                     f"the model computes K/V in {dt}, but the pool stores {self.dtype}; build the pool with "
                     "PagePool.from_model(model) after the model's dtype is set"))
@@ -332,7 +333,8 @@ class PagePool:
         has a layer of the pool (a layer appended since has none)."""
         devices = self.config.layer_devices
         return all(
-            m.layer_idx < len(devices) and _module_dtype(m) == self.dtype and _module_device(m) == devices[m.layer_idx]
+            m.layer_idx < len(devices) and _module_dtype(m) in (None, self.dtype)
+            and _module_device(m) == devices[m.layer_idx]
             for m in modules
         )
 
@@ -876,7 +878,9 @@ def _mixed_dtypes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> str
     (a layer kept in float32 in a bfloat16 model), naming the layers of each; None where they compute in one."""
     layers: dict[torch.dtype, list[int]] = {}
     for module in modules:
-        layers.setdefault(_module_dtype(module), []).append(module.layer_idx)
+        dtype = _module_dtype(module)
+        if dtype is not None:  # (one with no floating weights computes in the dtype it is fed)
+            layers.setdefault(dtype, []).append(module.layer_idx)
     if len(layers) < 2:
         return None
     each = "; ".join(f"layers {idx} in {dtype}" for dtype, idx in layers.items())
@@ -884,11 +888,27 @@ def _mixed_dtypes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> str
             "one; cast them to one dtype (model.to(dtype)) to run it paged")
 
 
-def _module_dtype(module: torch.nn.Module) -> torch.dtype:
+def _module_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype an attention module computes K/V in: that of its first floating parameter; None where it has none
+    (weight-only quantized projections, int8 weights with scales kept in buffers: they compute in the dtype they
+    are fed)."""
     for p in module.parameters():
         if p.dtype.is_floating_point:
             return p.dtype
-    return torch.float32
+    return None
+
+
+def _activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``model`` computes in where its attention layers have no floating weights: its input embeddings',
+    else its config's (float32 where it names none)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # (a model that does not say where they are)
+        embeddings = None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point:
+        return weight.dtype
+    return _resolve_dtype(model.config)
 
 
 def _resolve_dtype(config) -> torch.dtype:

@@ -1,5 +1,7 @@
 """PagePool construction: sizing, validation errors, statistics, model checks."""
 
+import copy
+
 import pytest
 import torch
 
@@ -175,13 +177,48 @@ def test_a_model_whose_layers_compute_in_several_dtypes_is_refused_naming_them()
     pool = PagePool.from_model(model, max_tokens=64, dtype=torch.bfloat16)  # a dtype given: the check names them
     with pytest.raises(TypeError, match=message):
         astrai_hf.patch(model, pool=pool)
-    with pytest.raises(TypeError, match=r"layer 1 produced K in torch.float32 .* stores torch.bfloat16; .* a model "
-                       "whose layers compute K/V in several, a layer kept in float32, is cast to one first"):
+    with pytest.raises(TypeError, match=r"layer 1 produced K in torch.float32 .* stores torch.bfloat16; .* "
+                       r"PagePool.from_model\(model, dtype=torch.float32\) \(a pool holds one dtype: a model whose "
+                       "layers compute K/V in several, a layer kept in float32, is cast to one first"):
         model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, past_key_values=PagedCache(pool))
     assert pool.stats()["num_used_pages"] == 0
     model.to(torch.bfloat16)
     astrai_hf.patch(model, pool=pool)
     astrai_hf.unpatch(model)
+
+
+class _WeightOnlyInt8(torch.nn.Module):
+    """A projection quantized weight-only: int8 weights, a scale per output in a buffer; it computes in the dtype
+    it is fed."""
+
+    def __init__(self, linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+        self.weight = torch.nn.Parameter((w / scale).round().to(torch.int8), requires_grad=False)
+        self.register_buffer("scale", scale)
+
+    def forward(self, x):
+        return x @ (self.weight.to(x.dtype) * self.scale.to(x.dtype)).t()
+
+
+@pytest.mark.parametrize("layers", [[1], [0, 1]], ids=["one layer", "every layer"])
+def test_attention_with_no_floating_weights_computes_in_the_dtype_it_is_fed(layers):
+    # an attention module with no floating parameter had been taken to compute in float32: a bfloat16 model with a
+    # layer quantized weight-only was refused as mixed, and one with every layer so got a float32 pool
+    stock = tiny_model("llama", dtype=torch.bfloat16)
+    for i in layers:
+        attn = stock.model.layers[i].self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(attn, name, _WeightOnlyInt8(getattr(attn, name)))
+    model = copy.deepcopy(stock)
+    assert PagePool.from_model(model, max_tokens=64).dtype == torch.bfloat16
+    ids, mask = left_padded_batch([5, 9], seed=2)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    want = stock.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=256, page_size=4):
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert astrai_hf.get_pool(model).dtype == torch.bfloat16
 
 
 def test_device_mismatch_is_a_value_error(llama):
