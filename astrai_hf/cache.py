@@ -1612,7 +1612,9 @@ class PagedCache(Cache):
             if name in self.__dict__:
                 setattr(twin, name, self.__dict__[name])
         twin.logical_len, twin._first_step_planned = self.logical_len, self._first_step_planned
-        twin.prefix_hit_tokens = list(self.prefix_hit_tokens)
+        # (and what computed them: a copy of a cache whose prefixes the prefix cache dropped since, the model
+        # and weights unchanged, goes on as the cache does)
+        twin.prefix_hit_tokens, twin._hit_model_key = list(self.prefix_hit_tokens), self._hit_model_key
         twin._num_pad = None if self._num_pad is None else list(self._num_pad)
         twin._prompt_pads = None if self._prompt_pads is None else list(self._prompt_pads)
         twin._prompt_ids = None if self._prompt_ids is None else [list(ids) for ids in self._prompt_ids]

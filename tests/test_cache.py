@@ -541,6 +541,38 @@ def test_deepcopy_shares_pages_and_gives_the_tokens_of_the_transformers_prompt_r
     assert pool.stats()["num_used_pages"] == 0
 
 
+@pytest.mark.parametrize("order", ["copy, then clear", "clear, then copy"])
+def test_a_copy_of_a_cache_started_from_a_prefix_hit_goes_on_as_it_does_after_the_prefix_cache_is_cleared(order):
+    # clear_prefix_cache() with the model and weights unchanged: the cache goes on (its pages are this model's
+    # K/V); its copy had been released and refused, as if the pool served another model
+    import copy
+
+    model = tiny_model("llama", seed=1)
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = model(ids).logits[:, -1]
+    with astrai_hf.patched(model, pool=pool), torch.no_grad():
+        name = astrai_hf.cache_kwarg(model)
+        with PagedCache(pool, ids[:, :7], mask[:, :7]) as first:
+            model(input_ids=ids[:, :7], attention_mask=mask[:, :7], **{name: first})
+        cache = PagedCache(pool, ids, mask)
+        assert cache.get_seq_length() == 7
+        if order == "copy, then clear":
+            twin = copy.deepcopy(cache)
+            pool.clear_prefix_cache()
+        else:
+            pool.clear_prefix_cache()
+            twin = copy.deepcopy(cache)
+        positions = torch.arange(7, 9)[None]
+        for c in (cache, twin):
+            got = model(input_ids=ids[:, 7:], attention_mask=mask, position_ids=positions, **{name: c}).logits
+            torch.testing.assert_close(got[:, -1], want, rtol=1e-5, atol=1e-5)
+            c.release()
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_a_patched_generate_output_pickles_as_a_stock_one_and_a_live_cache_or_pool_says_why_not(tmp_path):
     # torch.save(out) of return_dict_in_generate had failed on the returned cache's weak references
     import copy
