@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .interrupts import interrupts_deferred
 from .metadata import StepMetadata
 from .pool import has_caller_hooks
 
@@ -104,15 +105,21 @@ class padding_check_skipped:
 
     def __enter__(self):
         self.held = [module.__dict__.get(PADDING_CHECK) for module in self.modules]
-        for module in self.modules:
-            module.__dict__[PADDING_CHECK] = _skip_padding_check
+        try:
+            with interrupts_deferred():  # (a Ctrl-C midway would leave some shadowed for good)
+                for module in self.modules:
+                    module.__dict__[PADDING_CHECK] = _skip_padding_check
+        except BaseException:  # (a Ctrl-C held back, raised here: the with block's exit does not run)
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc):
-        for module, held in zip(self.modules, self.held):
-            if held is None:
-                module.__dict__.pop(PADDING_CHECK, None)
-            else:
-                module.__dict__[PADDING_CHECK] = held
+        with interrupts_deferred():
+            for module, held in zip(self.modules, self.held):
+                if held is None:
+                    module.__dict__.pop(PADDING_CHECK, None)
+                else:
+                    module.__dict__[PADDING_CHECK] = held
 
 
 def _skip_padding_check(input_ids, attention_mask) -> None:

@@ -504,7 +504,7 @@ def _deepcopy_patched(model: torch.nn.Module, state: PatchState, memo: dict) -> 
     settings = dict(pack_prefill=state.pack_prefill, prefill_chunk_tokens=state.prefill_chunk_tokens,
                     cuda_graphs=state.graphs_given)
     own = state.own_pool_kwargs
-    if own is not None and not state.pool.fits_placement(attention_modules(twin)):
+    if own is not None and not state.pool.fits_placement(attention_modules(twin), twin):
         patch(twin, **settings, **own)  # the model moved since its pool was built: the copy gets a pool that fits
     else:
         patch(twin, state.pool, **settings)
@@ -1712,8 +1712,9 @@ def _without_empty_ids(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A generate() call fed ``inputs_embeds`` [B, T, hidden] with ``input_ids`` of no columns [B, 0] as the call
     fed the embeddings alone (``generate()`` makes such ids itself for them; stock gives the same tokens either
     way), so that the empty ids are taken for no prompt of their own."""
-    ids = _call_input_ids(args, kwargs)
-    if kwargs.get("inputs_embeds") is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1]:
+    ids, embeds = _call_input_ids(args, kwargs), kwargs.get("inputs_embeds")
+    if (not isinstance(embeds, torch.Tensor) or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1]
+            or ids.shape[0] != embeds.shape[0]):  # (rows that differ: stock's error)
         return args, kwargs
     if args:
         return (None, *args[1:]), kwargs
@@ -2109,7 +2110,7 @@ def _follow_model(model, state: PatchState) -> None:
     (:func:`_sync_modules`), and its pool, which patch() built, rebuilt where the model moved to another dtype or
     device or grew a layer; a pool of the caller's that no longer fits is refused, naming what differs."""
     _sync_modules(model, state)
-    if not state.pool.fits_placement(state.modules):
+    if not state.pool.fits_placement(state.modules, model):
         if state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs):
             _rebuild_pool(model, state)
         else:  # the caller's pool (or one of a given dtype or device): name what no longer fits, before a step
@@ -2517,25 +2518,42 @@ def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -
     cache.fit_to(input_ids, mask if mask.dim() == 2 else None)
 
 
-def _room_for(pool: PagePool, model, tokens: int) -> str:
-    """How to give a row of ``tokens`` tokens room: the call for a pool of ``max_seq_len=tokens`` (and at least as
-    many slots), as patch() with the sizing it was given where it built ``pool``, else as PagePool.from_model."""
+def _room_for(pool: PagePool, model, tokens: int, rows: int) -> str:
+    """How to give ``rows`` rows of ``tokens`` tokens room: the call for a pool of ``max_seq_len=tokens`` and at
+    least ``rows * tokens`` slots (a row's pages are its own, beyond a shared prompt), as patch() with the settings
+    it was given where it built ``pool``, else as PagePool.from_model."""
     state = model.__dict__.get(_STATE_ATTR) if model is not None else None
     own = state is not None and state.pool is pool and state.own_pool_kwargs is not None
     sizing = dict(state.own_pool_kwargs) if own else {}
     capacity = pool.allocator.num_usable * pool.page_size
+    needed = rows * -(-tokens // pool.page_size) * pool.page_size
     more = ""
-    if capacity < tokens:  # one row of that length needs as many slots
+    if capacity < needed:
         if "memory_fraction" in sizing:
-            more = f" and a larger memory_fraction (the pool holds {capacity} tokens)"
+            more = f" and a larger memory_fraction (the pool holds {capacity} tokens; {rows} rows need {needed})"
         else:
-            sizing["max_tokens"] = -(-tokens // pool.page_size) * pool.page_size
+            sizing["max_tokens"] = needed
     sizing["max_seq_len"] = tokens
-    settings = ", ".join(f"{k}={v!r}" for k, v in sizing.items())
+    if own:  # (patch() again takes its defaults for what is not given)
+        sizing.update({"pack_prefill": False} if not state.pack_prefill else {})
+        sizing.update({"prefill_chunk_tokens": state.prefill_chunk_tokens}
+                      if state.prefill_chunk_tokens is not None else {})
+        sizing.update({"cuda_graphs": state.graphs_given} if state.graphs_given is not None else {})
+    settings = ", ".join(f"{k}={_as_source(v)}" for k, v in sizing.items())
     if own:
         return f"give the pool patch() builds room for them: patch(model, {settings}){more}"
     return (f"build the pool again with room for them: PagePool.from_model(model, {settings}), with its other "
             f"settings as they were{more}")
+
+
+def _as_source(value) -> str:
+    """``value`` as it is written in a call (a device as its name: its repr is not source)."""
+    if isinstance(value, torch.device):
+        return repr(str(value))
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_as_source(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    return repr(value)
 
 
 def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, model=None) -> int:
@@ -2565,9 +2583,11 @@ def _check_length(input_ids, attention_mask, kwargs, config, pool: PagePool, mod
                 max_length = min(max_length, limit)
         total = max_length - min(pads)
     if total > pool.max_seq_len:
+        rows = input_ids.shape[0] * max(_get(kwargs, config, "num_beams") or 1,
+                                        _get(kwargs, config, "num_return_sequences") or 1)
         raise ValueError(
             f"prompt ({prompt_len} tokens) plus new tokens reaches {total} tokens, more than the pool's "
-            f"max_seq_len={pool.max_seq_len}; {_room_for(pool, model, int(total))}, or lower {setting}"
+            f"max_seq_len={pool.max_seq_len}; {_room_for(pool, model, int(total), rows)}, or lower {setting}"
         )
     capacity = pool.allocator.num_usable * pool.page_size
     if prompt_len > capacity:  # certain to fail: refused before any forward

@@ -327,15 +327,19 @@ class PagePool:
                     f"{self.config.layer_devices[idx]}"
                 )
 
-    def fits_placement(self, modules: list[torch.nn.Module]) -> bool:
-        """Whether the attention modules ``modules`` (see :func:`attention_modules`) still compute in this pool's
-        dtype and on its layers' devices (a model moved with ``.to()`` after its pool was built does not), and each
-        has a layer of the pool (a layer appended since has none)."""
+    def fits_placement(self, modules: list[torch.nn.Module], model: torch.nn.Module | None = None) -> bool:
+        """Whether the attention modules ``modules`` (see :func:`attention_modules`) of ``model`` still compute in
+        this pool's dtype and on its layers' devices (a model moved with ``.to()`` after its pool was built does
+        not), and each has a layer of the pool (a layer appended since has none). A module with no floating weights
+        is taken to compute in the model's embeddings' dtype, as :meth:`from_model` takes it (where ``model`` is
+        given; else it fits any)."""
         devices = self.config.layer_devices
+        dtypes = [_module_dtype(m) for m in modules]
+        fed = _activation_dtype(model) if model is not None and None in dtypes else None
         return all(
-            m.layer_idx < len(devices) and _module_dtype(m) in (None, self.dtype)
+            m.layer_idx < len(devices) and (dtype or fed) in (None, self.dtype)
             and _module_device(m) == devices[m.layer_idx]
-            for m in modules
+            for m, dtype in zip(modules, dtypes)
         )
 
     # ------------------------------------------------------------------ statistics

@@ -150,27 +150,43 @@ def test_prompt_longer_than_max_seq_len_fails_before_any_forward(llama, monkeypa
         PagedCache(pool, torch.ones(1, 13, dtype=torch.long))
 
 
-@pytest.mark.parametrize("sizing", [dict(max_tokens=64, page_size=4), dict(max_tokens=256, page_size=4),
-                                    dict(memory_fraction=1e-6, page_size=4)])
-def test_the_advice_for_a_call_past_max_seq_len_is_a_patch_that_runs_it(sizing):
-    # it had named patch(model, max_seq_len=N), which drops the sizing patch() was given, and too few slots for
-    # a row of N tokens left the call to fail with CacheFullError mid-generation
+ROOM_CASES = {  # patch() settings, rows and generate() arguments -> the call the error names
+    "one row": (dict(max_tokens=64, page_size=4), [10], {},
+                "patch(model, max_tokens=80, page_size=4, max_seq_len=80)"),
+    "slots enough": (dict(max_tokens=256, page_size=4), [10], {},
+                     "patch(model, max_tokens=256, page_size=4, max_seq_len=80)"),
+    "two rows": (dict(max_tokens=64, page_size=4), [10, 8], {},
+                 "patch(model, max_tokens=160, page_size=4, max_seq_len=80)"),
+    "two beams": (dict(max_tokens=100, page_size=4), [10], dict(num_beams=2),
+                  "patch(model, max_tokens=160, page_size=4, max_seq_len=80)"),
+    "other settings": (dict(max_tokens=64, page_size=4, device=torch.device("cpu"), pack_prefill=False,
+                            prefill_chunk_tokens=4), [10], {},
+                       "patch(model, max_tokens=80, page_size=4, device='cpu', max_seq_len=80, pack_prefill=False, "
+                       "prefill_chunk_tokens=4)"),
+    "memory fraction": (dict(memory_fraction=1e-6, page_size=4), [10], {}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(ROOM_CASES))
+def test_the_advice_for_a_call_past_max_seq_len_is_a_patch_that_runs_it(case):
+    # it had named patch(model, max_seq_len=N), which drops the settings patch() was given, and too few slots for
+    # the call's rows of N tokens left the call to fail with CacheFullError mid-generation
+    settings, lengths, extra, advised = ROOM_CASES[case]
     model, stock = tiny_model("llama"), tiny_model("llama")
-    ids, mask = left_padded_batch([10], seed=1)
-    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=70, min_new_tokens=70)
+    ids, mask = left_padded_batch(lengths, seed=1)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=70, min_new_tokens=70, **extra)
     want = stock.generate(ids, **kw)
-    astrai_hf.patch(model, **sizing, max_seq_len=64)
+    astrai_hf.patch(model, **settings, max_seq_len=64)
     try:
         with pytest.raises(ValueError, match=r"reaches 80 tokens, more than the pool's max_seq_len=64; give the "
                            r"pool patch\(\) builds room for them: patch\(model, .*\), or lower "
                            r"max_new_tokens=70") as raised:
             model.generate(ids, **kw)
         call = re.search(r"(patch\(model, [^)]*\))", str(raised.value)).group(1)
-        if "memory_fraction" in sizing:  # (a fraction of the memory free: the message names it, not a value)
+        if advised is None:  # (a fraction of the memory free: the message names it, not a value)
             assert "and a larger memory_fraction (the pool holds" in str(raised.value)
             return
-        assert call == ("patch(model, max_tokens=80, page_size=4, max_seq_len=80)" if sizing["max_tokens"] == 64
-                        else "patch(model, max_tokens=256, page_size=4, max_seq_len=80)")
+        assert call == advised
         exec(call, {"patch": astrai_hf.patch, "model": model})
         assert torch.equal(model.generate(ids, **kw), want)
         assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0

@@ -384,6 +384,13 @@ def test_embeddings_with_input_ids_of_no_columns_give_stocks_tokens():
         for (args, call), w in zip(calls, want):
             assert torch.equal(model.generate(*args, **call, **kw), w)
             assert _used(model) == 0
+        # ids of another row count: refused, as stock refuses them (it had run on the embeddings)
+        with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 6\) does not match input_ids of shape "
+                           r"\(1, 0\)"):
+            model.generate(empty[:1], inputs_embeds=embeds, attention_mask=mask, **kw)
+        assert _used(model) == 0
+    with pytest.raises(RuntimeError):
+        model.generate(empty[:1], inputs_embeds=embeds, attention_mask=mask, **kw)
 
 
 def test_capture_graphs_of_another_model_on_the_pool_waits_for_a_call_under_way():

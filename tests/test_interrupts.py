@@ -213,3 +213,40 @@ def test_ctrl_c_inside_unpatch_leaves_the_model_whole():
         patches.apply = original
     assert undone == [True] and not astrai_hf.is_patched(model)
     assert {id(m): set(m.__dict__) for m in model.modules()} == before
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_ctrl_c_while_the_padding_check_is_shadowed_leaves_no_module_shadowed(at):
+    # the shadow is set on each module in turn: a Ctrl-C between two had left the first shadowed for good (the
+    # with block's exit does not run when its enter raises)
+    import sys
+
+    from astrai_hf.packing import PADDING_CHECK, padding_check_skipped
+
+    modules = [torch.nn.Linear(1, 1) for _ in range(3)]
+    lines = [0]
+
+    def tracer(frame, event, arg):
+        if event == "line" and frame.f_code.co_name == "__enter__" and "PADDING_CHECK] =" in _source_line(frame):
+            lines[0] += 1
+            if lines[0] == at:
+                os.kill(os.getpid(), signal.SIGINT)
+        return tracer
+
+    ran = False
+    sys.settrace(tracer)
+    try:
+        with padding_check_skipped(modules):
+            ran = True
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    assert lines[0] >= at and not ran
+    assert not any(PADDING_CHECK in vars(m) for m in modules)
+
+
+def _source_line(frame) -> str:
+    import linecache
+
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)

@@ -219,6 +219,9 @@ def test_attention_with_no_floating_weights_computes_in_the_dtype_it_is_fed(laye
     with astrai_hf.patched(model, max_tokens=256, page_size=4):
         assert torch.equal(model.generate(ids, **kw), want)
         assert astrai_hf.get_pool(model).dtype == torch.bfloat16
+        stock.float(), model.float()  # the pool patch() built follows (it had kept bfloat16: the first K refused)
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        assert astrai_hf.get_pool(model).dtype == torch.float32
 
 
 def test_device_mismatch_is_a_value_error(llama):
