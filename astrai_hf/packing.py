@@ -89,8 +89,8 @@ PADDING_CHECK = "warn_if_padding_and_no_attention_mask"
 
 
 class padding_check_skipped:
-    """Within it, the forward of each of ``modules`` (a model's ``WatchedModules.mask_checks``: its
-    ``PreTrainedModel`` modules) skips transformers' check for padding without an attention mask, which GPT-2's
+    """Within it, the forward of each of the modules ``refs`` refer to (weakly: a model's
+    ``WatchedModules.mask_checks``, its ``PreTrainedModel`` modules) skips transformers' check for padding without an attention mask, which GPT-2's
     forward runs on its input ids.
 
     A packed prefill and a decode step of the graph runner pass no mask: paged attention reads each row's padding
@@ -100,8 +100,8 @@ class padding_check_skipped:
     model's forwards skip it; an attribute of that name already on an instance is restored after.
     """
 
-    def __init__(self, modules: list):
-        self.modules = modules
+    def __init__(self, refs: list):
+        self.modules = [m for m in (ref() for ref in refs) if m is not None]
 
     def __enter__(self):
         self.held = [module.__dict__.get(PADDING_CHECK) for module in self.modules]

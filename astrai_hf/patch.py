@@ -1194,9 +1194,10 @@ class WatchedModules(NamedTuple):
         dropout: every ``nn.Dropout`` (any kind) with ``p > 0`` and every module with a float attribute above 0
             whose name has ``dropout`` in it (a model without dropout, most checkpoints: none).
         checkpointing: every module with ``gradient_checkpointing`` set.
-        mask_checks: every module with transformers' check for padding without an attention mask
-            (``warn_if_padding_and_no_attention_mask``, a ``PreTrainedModel``'s), which a forward without a mask of
-            astrai-hf's skips (:class:`astrai_hf.packing.padding_check_skipped`).
+        mask_checks: weak references to every module with transformers' check for padding without an attention
+            mask (``warn_if_padding_and_no_attention_mask``, a ``PreTrainedModel``'s, the model itself among them:
+            weak, as the model holds its patch state), which a forward without a mask of astrai-hf's skips
+            (:class:`astrai_hf.packing.padding_check_skipped`).
     """
 
     dropout: list
@@ -1212,7 +1213,7 @@ def watched_modules(model: torch.nn.Module) -> WatchedModules:
     dropout, checkpointing, mask_checks = [], [], []
     for m in model.modules():
         if hasattr(type(m), packing.PADDING_CHECK):
-            mask_checks.append(m)
+            mask_checks.append(weakref.ref(m))
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             if m.p > 0:
                 dropout.append(m)

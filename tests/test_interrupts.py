@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import threading
+import weakref
 
 import pytest
 import torch
@@ -236,7 +237,7 @@ def test_a_ctrl_c_while_the_padding_check_is_shadowed_leaves_no_module_shadowed(
     ran = False
     sys.settrace(tracer)
     try:
-        with padding_check_skipped(modules):
+        with padding_check_skipped([weakref.ref(m) for m in modules]):
             ran = True
     except KeyboardInterrupt:
         pass
