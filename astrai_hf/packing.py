@@ -90,8 +90,8 @@ PADDING_CHECK = "warn_if_padding_and_no_attention_mask"
 
 class padding_check_skipped:
     """Within it, the forward of each of the modules ``refs`` refer to (weakly: a model's
-    ``WatchedModules.mask_checks``, its ``PreTrainedModel`` modules) skips transformers' check for padding without an attention mask, which GPT-2's
-    forward runs on its input ids.
+    ``WatchedModules.mask_checks``, its ``PreTrainedModel`` modules) skips transformers' check for padding without
+    an attention mask, which GPT-2's forward runs on its input ids.
 
     A packed prefill and a decode step of the graph runner pass no mask: paged attention reads each row's padding
     from the cache. The check would read the ids back to the host and warn wherever the pad token id is fed (a

@@ -265,11 +265,10 @@ class PagePool:
                     "weights (or dispatch the model with a device_map), or pass device= to the pool"
                 )
         if "dtype" not in kwargs and layers:
-            mixed = _mixed_dtypes(model, layers)
-            if mixed is not None:
-                raise TypeError(mixed)
-            kwargs["dtype"] = next((dt for dt in map(_module_dtype, layers) if dt is not None), None) or (
-                _activation_dtype(model))
+            by_dtype = _layers_by_dtype(layers)
+            if len(by_dtype) > 1:
+                raise TypeError(_mixed_dtypes(model, by_dtype))
+            kwargs["dtype"] = next(iter(by_dtype), None) or _activation_dtype(model)
         if "num_kv_heads" not in kwargs:
             kwargs["num_kv_heads"] = model_kv_spec(model, layers).num_kv_heads
         if "process_group" not in kwargs:
@@ -318,7 +317,8 @@ class PagePool:
             idx = module.layer_idx
             dev, dt = _module_device(module), _module_dtype(module)
             if dt is not None and dt != self.dtype:
-                raise TypeError(_mixed_dtypes(model, modules) or (
+                by_dtype = _layers_by_dtype(modules)
+                raise TypeError(_mixed_dtypes(model, by_dtype) if len(by_dtype) > 1 else (
                     f"the model computes K/V in {dt}, but the pool stores {self.dtype}; build the pool with "
                     "PagePool.from_model(model) after the model's dtype is set"))
             if dev != self.config.layer_devices[idx]:
@@ -877,16 +877,20 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _mixed_dtypes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> str | None:
-    """Why a pool cannot hold the K/V of ``model``, whose attention layers ``modules`` compute in several dtypes
-    (a layer kept in float32 in a bfloat16 model), naming the layers of each; None where they compute in one."""
+def _layers_by_dtype(modules: list[torch.nn.Module]) -> dict[torch.dtype, list[int]]:
+    """The ``layer_idx`` of the attention modules ``modules`` by the dtype each computes K/V in, in order of first
+    appearance (one with no floating weights, which computes in the dtype it is fed, left out)."""
     layers: dict[torch.dtype, list[int]] = {}
     for module in modules:
         dtype = _module_dtype(module)
-        if dtype is not None:  # (one with no floating weights computes in the dtype it is fed)
+        if dtype is not None:
             layers.setdefault(dtype, []).append(module.layer_idx)
-    if len(layers) < 2:
-        return None
+    return layers
+
+
+def _mixed_dtypes(model: torch.nn.Module, layers: dict[torch.dtype, list[int]]) -> str:
+    """Why a pool cannot hold the K/V of ``model``, whose attention layers compute in several dtypes (``layers``,
+    from :func:`_layers_by_dtype`; a layer kept in float32 in a bfloat16 model), naming the layers of each."""
     each = "; ".join(f"layers {idx} in {dtype}" for dtype, idx in layers.items())
     return (f"{type(model).__name__}'s attention layers compute K/V in several dtypes ({each}), and a PagePool holds "
             "one; cast them to one dtype (model.to(dtype)) to run it paged")
