@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 import warnings
 import weakref
 from typing import NamedTuple
@@ -226,8 +227,8 @@ class PagedCache(Cache):
         TypeError: ``pool`` is not a PagePool, ``model`` not a ``torch.nn.Module``, ``prefix_cache`` not a bool,
             ``input_ids`` not an integer tensor.
         ValueError: ``input_ids`` is not [batch, seq_len] or has no row, the prompt is longer than
-            ``pool.max_seq_len``, ``attention_mask`` is not left-padded or does not have the shape of
-            ``input_ids``, ``reserve_new_tokens`` is not a non-negative int.
+            ``pool.max_seq_len``, ``attention_mask`` is not left-padded, has a row of zeros or does not have the
+            shape of ``input_ids``, ``reserve_new_tokens`` is not a non-negative int.
         CacheFullError: a prefix hit needs more request rows than the pool has free.
         ValueError, at the first forward of a patched model: this cache was pre-filled with prefixes computed by
             another model, or by weights changed since (the cache is released first).
@@ -313,6 +314,7 @@ class PagedCache(Cache):
                 raise ValueError(
                     f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {(B, L)}; they must match"
                 )
+            check_rows_have_tokens(attention_mask)
             pads = left_padding(attention_mask)
         longest = L - min(pads)
         if longest > pool.max_seq_len:
@@ -1106,9 +1108,15 @@ class PagedCache(Cache):
             column so far, [B, num_kv_heads, logical_len, head_dim], padding columns zero, for stock attention.
 
         Raises:
-            ValueError / TypeError: the K/V do not fit the pool (layer, heads, head_dim, device, dtype).
+            TypeError: K or V is not a tensor, ``layer_idx`` not an int.
+            ValueError / TypeError: the K/V do not fit the pool (not 4-D, K and V of different shapes, layer, heads,
+                head_dim, device, dtype).
             CacheFullError: the pool is full (see :meth:`plan_step`).
         """
+        if not (type(layer_idx) is int and isinstance(key_states, torch.Tensor)
+                and isinstance(value_states, torch.Tensor) and key_states.dim() == 4
+                and key_states.shape == value_states.shape):
+            _refuse_update_args(key_states, value_states, layer_idx)
         step = self._step
         first = step is None or layer_idx in self._step_layers or not self._step_layers  # this step's first layer
         position_ids = None
@@ -1210,6 +1218,9 @@ class PagedCache(Cache):
                     f"layer {layer_idx} produced K/V with {H} heads x head_dim {D}, but the pool stores "
                     f"{cfg.spec.num_kv_heads} x {cfg.spec.head_dim}; {fix}"
                 )
+            if not (key_states.is_floating_point() and value_states.is_floating_point()):
+                raise TypeError(f"layer {layer_idx} produced K in {key_states.dtype} and V in {value_states.dtype}; "
+                                f"K/V must be floating point (the pool stores {cfg.dtype})")
             if key_states.dtype != cfg.dtype or value_states.dtype != cfg.dtype:
                 raise TypeError(
                     f"layer {layer_idx} produced K in {key_states.dtype} and V in {value_states.dtype}, but the pool "
@@ -1766,6 +1777,35 @@ def _columns_kept(length: int, max_length: int) -> int:
     """The columns of ``length`` that ``crop(max_length)`` keeps: minus a count to drop (<= 0), or, positive, the
     length to keep."""
     return max(length + max_length, 0) if max_length <= 0 else min(max_length, length)
+
+
+def _refuse_update_args(key_states, value_states, layer_idx) -> None:
+    """Raise the error :meth:`PagedCache.update` gives arguments it cannot store (an int subclass or integer scalar
+    of numpy / torch for ``layer_idx`` is let through)."""
+    for name, value in (("key_states", key_states), ("value_states", value_states)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"PagedCache.update: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+        raise TypeError(f"PagedCache.update: layer_idx must be an int, got {layer_idx!r}")
+    if key_states.dim() != 4:
+        raise ValueError(f"PagedCache.update: key_states must be [batch, num_kv_heads, q_len, head_dim], got shape "
+                         f"{tuple(key_states.shape)}")
+    if key_states.shape != value_states.shape:
+        raise ValueError(f"PagedCache.update: key_states {tuple(key_states.shape)} and value_states "
+                         f"{tuple(value_states.shape)} must have the same shape")
+
+
+def check_rows_have_tokens(attention_mask: torch.Tensor) -> None:
+    """Refuse a [B, L] 0/1 mask with a row of zeros: such a row has no token to attend to (stock's attention then
+    attends over no key) and nothing a paged cache could store.
+
+    Raises:
+        ValueError: naming the rows.
+    """
+    if attention_mask.dim() == 2 and attention_mask.shape[1] > 0:
+        empty = (attention_mask == 0).all(-1).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
 
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:

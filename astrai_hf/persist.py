@@ -246,6 +246,9 @@ def fingerprint(pool, model: torch.nn.Module) -> dict[str, str | int]:
 
 
 def _model_for(pool, model):
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (the model whose K/V the pool holds) or None, got "
+                        f"{type(model).__name__}")
     model = model if model is not None else pool.model
     if model is None and pool._model_ref is not None:
         raise ValueError(
@@ -297,7 +300,7 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     Raises:
         ValueError: the pool has no prefix cache, no model is known, or ``model`` is not the model that computed
             the cached prefixes (the pool and the file are left as they were).
-        TypeError: ``path`` is not a str or ``os.PathLike``.
+        TypeError: ``path`` is not a str or ``os.PathLike``; ``model`` is not a ``torch.nn.Module``.
         FileNotFoundError: the folder of ``path`` does not exist.
     """
     path = _as_path(path)
@@ -350,6 +353,7 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     Raises:
         ValueError: the file is not a saved prefix cache, or it was saved for another model, dtype or page size
             (the message names every field that differs); no model is known; the pool has no prefix cache.
+        TypeError: ``path`` is not a str or ``os.PathLike``; ``model`` is not a ``torch.nn.Module``.
         FileNotFoundError: ``path`` does not exist.
     """
     if pool.prefix_cache is None:

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
 
 from .allocator import PageAllocator
 from .config import KVSpec, PagePoolConfig, as_count, as_flag, as_int, page_bytes_by_device, rope_depends_on_length
@@ -43,7 +45,8 @@ class PagePool:
         max_tokens: token capacity; the pool gets ``max_tokens // page_size`` usable pages.
         memory_fraction: alternatively, size the pool to this fraction (0, 1] of the memory free on each device
             it spans (GPU: ``torch.cuda.mem_get_info``; CPU: available RAM): each device gets at most that
-            fraction of its own free memory for the layers stored on it, and the device with the least room sets
+            fraction of its own free memory for the layers stored on it (their pages, the trash page included,
+            and on the first layer's device the ``req_to_token`` table), and the device with the least room sets
             the page count. Exclusive with ``max_tokens``. With neither, ``max_tokens`` defaults to 32768.
         page_size: token slots per page (>= 1).
         max_seq_len: longest row in tokens (padding excluded); defaults to the model's
@@ -62,7 +65,9 @@ class PagePool:
             :mod:`astrai_hf.distributed`).
 
     Raises:
-        ValueError: a size is out of range or names what cannot be; ``TypeError``: a value of the wrong type.
+        ValueError: a size is out of range or names what cannot be. ``TypeError``: a value of the wrong type
+            (``config`` not a ``PretrainedConfig``, ``process_group`` not a ``ProcessGroup``, ``dtype`` not a
+            floating dtype).
         NotImplementedError: the config is of a model whose cache a pool cannot hold (:func:`unsupported_config`:
             encoder-decoder, hybrid layers, multi-head latent attention).
     """
@@ -82,6 +87,12 @@ class PagePool:
         num_kv_heads: int | None = None,
         process_group=None,
     ):
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"PagePool needs the model's transformers PretrainedConfig (model.config), got "
+                            f"{type(config).__name__}; for a model, use PagePool.from_model(model, ...)")
+        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                            f"{type(process_group).__name__}")
         reason = unsupported_config(config)
         if reason is not None:
             raise NotImplementedError(f"{type(config).__name__}: {reason}; a PagePool cannot hold its cache")
@@ -99,14 +110,17 @@ class PagePool:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         layer_devices = _resolve_devices(device, spec.num_layers)
-        num_usable = _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        longest = max_seq_len if max_seq_len is not None else getattr(text, "max_position_embeddings", None)
+        # (sizes out of range are refused below, by PagePoolConfig)
+        table = (max(max_reqs if max_reqs is not None else DEFAULT_MAX_REQS, 0) + 1, max(longest or 0, 0))
+        num_usable = _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction, table)
         self.ranks: RankGroup | None = RankGroup(process_group, layer_devices[0]) if process_group is not None else None
         if self.ranks is not None and memory_fraction is not None:
             (num_usable,) = self.ranks.min([num_usable])  # free memory differs per rank; page tables must not
         capacity = num_usable * page_size
         if max_seq_len is None:
-            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-            max_seq_len = min(getattr(text, "max_position_embeddings", None) or capacity, capacity)
+            max_seq_len = min(longest or capacity, capacity)
         if max_reqs is None:
             max_reqs = DEFAULT_MAX_REQS
         # a RoPE whose frequencies follow the forward's length: no prefix reuse for a cache of this config's model
@@ -246,7 +260,7 @@ class PagePool:
             NotImplementedError: the model's cache is not a K/V cache of one head size (see
                 :func:`unsupported_model`).
             ValueError: as for :class:`PagePool`, or the model's KV heads do not split into whole heads per
-                tensor-parallel rank.
+                tensor-parallel rank, or ``num_kv_heads`` is given and is not the model's.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"PagePool.from_model takes a transformers model (a torch.nn.Module), got "
@@ -269,8 +283,11 @@ class PagePool:
             if len(by_dtype) > 1:
                 raise TypeError(_mixed_dtypes(model, by_dtype))
             kwargs["dtype"] = next(iter(by_dtype), None) or _activation_dtype(model)
-        if "num_kv_heads" not in kwargs:
-            kwargs["num_kv_heads"] = model_kv_spec(model, layers).num_kv_heads
+        heads = model_kv_spec(model, layers).num_kv_heads
+        given = kwargs.setdefault("num_kv_heads", heads)
+        if isinstance(given, numbers.Integral) and not isinstance(given, bool) and given != heads:
+            raise ValueError(f"num_kv_heads={given} given, but {type(model).__name__}'s attention stores {heads} KV "
+                             "heads per layer (on this rank); leave num_kv_heads out and from_model reads it")
         if "process_group" not in kwargs:
             ranks = rank_group(layers)
             kwargs["process_group"] = ranks.group if ranks is not None else None
@@ -358,7 +375,8 @@ class PagePool:
             - ``prefix_hit_tokens``: of those, tokens whose K/V was reused instead of computed.
             - ``evictions``: pages evicted from the prefix cache so far.
             - ``kv_bytes_used`` / ``kv_bytes_cached`` / ``kv_bytes_total``: bytes (K and V, all layers) of the used
-              pages, of the cached-only pages, of the whole pool.
+              pages, of the cached-only pages, of the pool's ``num_pages`` (its storage holds one page more, the
+              trash page that padded rows of a decode graph write to).
             - ``kv_bytes_by_device``: ``{device: bytes}``, the whole pool's bytes on each device it spans (a model
               split with ``device_map`` keeps each layer's K/V on that layer's device); the values sum to
               ``kv_bytes_total``. Under tensor parallelism these are this rank's bytes (its share of the heads).
@@ -942,7 +960,7 @@ def _as_device(device) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device") from e
+        raise ValueError(f"device {device!r} is not a torch device here: {e}") from e
     # as tensors report it (torch.device("cuda") != torch.device("cuda:0"), and CPU tensors carry no index), so that
     # a layer's K/V compare equal to the device the pool keeps them on
     if device.type == "cpu":
@@ -970,7 +988,10 @@ def check_holds_a_page(max_tokens: int, page_size: int) -> None:
         raise ValueError(f"max_tokens={max_tokens} is smaller than one page (page_size={page_size})")
 
 
-def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction) -> int:
+def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fraction, table=(1, None)) -> int:
+    """Usable pages for ``max_tokens``, or for ``memory_fraction`` of each device's free memory: there the budget
+    holds every page the storage allocates (the trash page too) and, on the first layer's device, the two int32
+    ``req_to_token`` tables of ``table = (rows, longest row or 0 where unknown)`` (no wider than the capacity)."""
     if max_tokens is not None and memory_fraction is not None:
         raise ValueError(f"pass max_tokens ({max_tokens}) or memory_fraction ({memory_fraction}), not both")
     if memory_fraction is not None:
@@ -980,9 +1001,25 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         memory_fraction = float(memory_fraction)
         bytes_by_device = page_bytes_by_device(spec, page_size, dtype, layer_devices)
-        pages = min(int(_free_bytes(d) * memory_fraction) // b for d, b in bytes_by_device.items())
+        rows, longest = table
+        per_token = rows * 2 * 4  # (the slots and the token ids, int32)
+
+        def fits(device, page_bytes) -> int:
+            budget = int(_free_bytes(device) * memory_fraction) - page_bytes  # (the trash page)
+            if device != layer_devices[0]:
+                return budget // page_bytes
+            # a table as wide as the capacity, or as the longest row where one is known
+            wide = budget // (page_bytes + per_token * page_size)
+            narrow = (budget - per_token * longest) // page_bytes if longest else 0
+            return max(wide, narrow)
+
+        pages, device = min((fits(d, b), str(d)) for d, b in bytes_by_device.items())
         if pages < 1:
-            raise ValueError(f"memory_fraction={memory_fraction} of the free memory does not hold one page")
+            raise ValueError(
+                f"memory_fraction={memory_fraction} of the free memory on {device} does not hold two pages (one "
+                f"usable, one trash page: {bytes_by_device[torch.device(device)]} bytes each there) and the "
+                f"req_to_token table ({rows * 8} bytes per token of its width); pass a larger memory_fraction, or "
+                "max_tokens")
         return pages
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS

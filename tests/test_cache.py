@@ -660,3 +660,32 @@ def test_activate_past_recording_takes_the_keywords_candidate_decoding_passes():
         cache.activate_past_recording()
         cache.activate_past_recording(recurrent_states_to_keep=3)
         assert cache.get_seq_length() == 0
+
+
+def _k(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("k, v, layer, error, text", [
+    (_k(2, 3, 16), _k(2, 3, 16), 0, ValueError, r"key_states must be \[batch, num_kv_heads, q_len, head_dim\], "
+                                                r"got shape \(2, 3, 16\)"),
+    (_k(2, 2, 3, 16), _k(2, 2, 4, 16), 0, ValueError, r"key_states \(2, 2, 3, 16\) and value_states "
+                                                      r"\(2, 2, 4, 16\) must have the same shape"),
+    (_k(2, 2, 3, 16), _k(2, 2, 3, 16), "0", TypeError, "layer_idx must be an int, got '0'"),
+    (_k(2, 2, 3, 16), _k(2, 2, 3, 16), True, TypeError, "layer_idx must be an int, got True"),
+    ([1.0], _k(2, 2, 3, 16), 0, TypeError, "key_states must be a torch.Tensor, got list"),
+    (_k(2, 2, 3, 16, dtype=torch.int64), _k(2, 2, 3, 16, dtype=torch.int64), 0, TypeError,
+     r"K in torch.int64 and V in torch.int64; K/V must be floating point \(the pool stores torch.float32\)"),
+])
+def test_update_names_what_it_cannot_store(llama, k, v, layer, error, text):
+    # each had failed deep inside (an unpacking, a reshape, a comparison), or been told to build an int64 pool
+    pool = PagePool.from_model(llama, max_tokens=64, page_size=PAGE)
+    cache = PagedCache(pool, prefix_cache=False)
+    with pytest.raises(error, match=text):
+        cache.update(k, v, layer)
+    cache.release()
+    assert pool.stats()["num_used_pages"] == 0
+    if layer == 0 and isinstance(k, torch.Tensor) and k.dim() == 4 and k.is_floating_point():
+        cache = PagedCache(pool, prefix_cache=False)
+        cache.update(k, k, np.int64(0))  # (an integer scalar of numpy is an int)
+        cache.release()

@@ -267,3 +267,22 @@ def test_a_peft_adapter_folder_loads_as_transformers_loads_it(tmp_path):
     assert type(model) is type(stock) and tokenizer.padding_side == "left"
     for got, want in zip(model.state_dict().values(), stock.state_dict().values()):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device, text", [("nowhere", "device 'nowhere' is not a torch device"),
+                                          pytest.param("cuda:7", "'cuda:7': this process sees [0-7] CUDA devices",
+                                                       marks=pytest.mark.skipif(torch.cuda.device_count() > 7,
+                                                                                reason="a machine with 8 GPUs"))])
+def test_load_model_names_a_device_it_cannot_use_before_loading(device, text, monkeypatch):
+    # it had loaded the weights first, then failed in model.to() (an AssertionError for CUDA on a CPU build)
+    import transformers as T
+
+    from astrai_hf.models import load_model
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the device was checked")
+
+    monkeypatch.setattr(T.AutoModelForCausalLM, "from_pretrained", no_load)
+    monkeypatch.setattr(T.AutoTokenizer, "from_pretrained", no_load)
+    with pytest.raises(ValueError, match=text):
+        load_model(device=device)

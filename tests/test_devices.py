@@ -50,12 +50,15 @@ def test_memory_fraction_applies_to_each_device(monkeypatch):
     config = tiny_model("qwen2").config  # 3 layers
     free = {"cpu": 100 * LAYER_PAGE_BYTES, "meta": 30 * LAYER_PAGE_BYTES}
     monkeypatch.setattr(pool_module, "_free_bytes", lambda device: free[device.type])
-    # cpu holds 2 layers: 0.5 * 100 // 2 = 25 pages; meta holds 1: 0.5 * 30 // 1 = 15 pages; the tighter wins
-    pool = PagePool(config, memory_fraction=0.5, page_size=16, device=["cpu", "meta", "cpu"])
-    assert pool.stats()["num_pages"] == 15
-    assert pool.stats()["kv_bytes_by_device"] == {"cpu": 15 * 2 * LAYER_PAGE_BYTES, "meta": 15 * LAYER_PAGE_BYTES}
+    # each device's budget holds the trash page too, and the first layer's device (cpu) the req_to_token tables
+    # (2 rows of 16 int32 slots and ids: 256 bytes). cpu holds 2 layers: (0.5 * 100 - 2) // 2 = 24 pages, less the
+    # table: 23; meta holds 1: 0.5 * 30 // 1 - 1 = 14 pages; the tighter wins
+    sizes = dict(memory_fraction=0.5, page_size=16, device=["cpu", "meta", "cpu"], max_reqs=1, max_seq_len=16)
+    pool = PagePool(config, **sizes)
+    assert pool.stats()["num_pages"] == 14
+    assert pool.stats()["kv_bytes_by_device"] == {"cpu": 14 * 2 * LAYER_PAGE_BYTES, "meta": 14 * LAYER_PAGE_BYTES}
     free["meta"] = 1000 * LAYER_PAGE_BYTES
-    assert PagePool(config, memory_fraction=0.5, page_size=16, device=["cpu", "meta", "cpu"]).stats()["num_pages"] == 25
+    assert PagePool(config, **sizes).stats()["num_pages"] == 23
 
 
 @pytest.mark.equivalence

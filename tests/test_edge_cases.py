@@ -864,3 +864,20 @@ def test_a_pad_token_that_starts_a_prompt_without_a_mask_is_padding_as_in_stock(
             assert torch.equal(model.generate(x, attention_mask=torch.ones_like(x), **kw), ref_ones)
             assert torch.equal(model.generate(x, **kw), ref)
         assert _used(model) == 0
+
+
+def test_a_mask_row_of_zeros_is_refused_with_a_cache_of_the_callers_too():
+    # refused as a call without a cache of its own refuses it; it had crashed inside generate() (the forward
+    # returned a row fewer), and PagedCache took the row as empty
+    model = tiny_model("llama")
+    ids, mask = torch.tensor([[0, 0, 5], [6, 7, 8]]), torch.tensor([[0, 0, 0], [1, 1, 1]])
+    pool = PagePool.from_model(model, max_tokens=256, page_size=4)
+    with pytest.raises(ValueError, match=r"attention_mask rows \[0\] have no tokens"):
+        astrai_hf.PagedCache(pool, ids, mask)
+    with astrai_hf.patched(model, pool=pool):
+        with astrai_hf.PagedCache(pool) as cache:
+            with pytest.raises(ValueError, match=r"attention_mask rows \[0\] have no tokens"):
+                model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                               **{astrai_hf.cache_kwarg(model): cache})
+        assert _used(model) == 0
+    assert pool.stats()["num_used_pages"] == 0

@@ -111,8 +111,28 @@ def test_a_pool_from_a_config_without_a_dtype_logs_nothing():
 
 
 def test_memory_fraction_sizing(llama):
-    pool = PagePool.from_model(llama, memory_fraction=1e-6, page_size=16)
+    pool = PagePool.from_model(llama, memory_fraction=1e-5, page_size=16)
     assert pool.stats()["num_pages"] >= 1
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("sizes", [{}, dict(max_seq_len=40, max_reqs=3), dict(max_reqs=1000)])
+def test_memory_fraction_holds_every_tensor_the_pool_allocates_within_the_fraction(llama, monkeypatch, fraction,
+                                                                                    sizes):
+    # the budget had held the usable pages only: the trash page and the req_to_token tables came on top, so
+    # memory_fraction=1.0 always asked for more than the free memory
+    import astrai_hf.pool as pool_module
+
+    free = 1_000_000
+    monkeypatch.setattr(pool_module, "_free_bytes", lambda device: free)
+    pool = PagePool(llama.config, memory_fraction=fraction, page_size=16, **sizes)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in pool.storage.k + pool.storage.v}
+    tables = pool.req_to_token.table, pool.req_to_token.token_ids
+    held = sum(storages.values()) + sum(t.numel() * t.element_size() for t in tables)
+    assert held <= fraction * free
+    # and not far below it: one page more would not fit
+    per_page = pool.config.bytes_per_page + (pool.config.max_reqs + 1) * 8 * 16
+    assert held + per_page > fraction * free or pool.req_to_token.max_seq_len < pool.stats()["num_pages"] * 16
 
 
 @pytest.mark.parametrize(
@@ -128,6 +148,7 @@ def test_memory_fraction_sizing(llama):
         (dict(max_seq_len=0), ValueError, "max_seq_len must be >= 1, got 0"),
         (dict(dtype=torch.int8), TypeError, "dtype must be a floating"),
         (dict(device="nowhere"), ValueError, "'nowhere' is not a torch device"),
+        (dict(process_group="x"), TypeError, "process_group must be a torch.distributed ProcessGroup or None, got str"),
         (dict(num_kv_heads=0), ValueError, "num_kv_heads must be a positive int, got 0"),
         (dict(max_reqs=True), TypeError, "max_reqs must be an int, got True"),
         (dict(max_tokens="4096"), TypeError, "max_tokens must be an int, got '4096'"),
@@ -141,6 +162,30 @@ def test_bad_arguments_name_the_value(llama, kwargs, error, text):
     with pytest.raises(error, match=text):
         PagePool(llama.config, **{"max_tokens": kwargs.pop("max_tokens", 256) if "memory_fraction" not in kwargs
                                   else kwargs.pop("max_tokens", None), **kwargs})
+
+
+@pytest.mark.parametrize("config", [None, {"num_hidden_layers": 2}, "llama"])
+def test_a_config_that_is_not_a_pretrained_config_is_named(config):
+    # it had failed inside with "vars() argument must have __dict__ attribute"
+    with pytest.raises(TypeError, match=rf"PagePool needs the model's transformers PretrainedConfig .*got "
+                                        rf"{type(config).__name__}"):
+        PagePool(config, max_tokens=64)
+
+
+def test_from_model_refuses_num_kv_heads_the_model_does_not_have(llama):
+    # the pool had been built, then refused at patch() or the first update()
+    with pytest.raises(ValueError, match="num_kv_heads=3 given, but LlamaForCausalLM's attention stores 2 KV heads"):
+        PagePool.from_model(llama, max_tokens=64, num_kv_heads=3)
+    assert PagePool.from_model(llama, max_tokens=64, num_kv_heads=2).config.spec.num_kv_heads == 2
+
+
+def test_prefix_cache_files_name_a_model_that_is_not_a_module(llama, tmp_path):
+    pool = PagePool.from_model(llama, max_tokens=64, page_size=4)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got str"):
+        pool.save_prefix_cache(tmp_path / "p.safetensors", model="x")
+    pool.save_prefix_cache(tmp_path / "p.safetensors")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module .* got str"):
+        pool.load_prefix_cache(tmp_path / "p.safetensors", model="x")
 
 
 def test_pool_for_another_model_is_refused(llama):
