@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
-import numbers
+import operator
 import warnings
 import weakref
 from typing import NamedTuple
@@ -1116,7 +1116,7 @@ class PagedCache(Cache):
         if not (type(layer_idx) is int and isinstance(key_states, torch.Tensor)
                 and isinstance(value_states, torch.Tensor) and key_states.dim() == 4
                 and key_states.shape == value_states.shape):
-            _refuse_update_args(key_states, value_states, layer_idx)
+            layer_idx = _checked_update_args(key_states, value_states, layer_idx)
         step = self._step
         first = step is None or layer_idx in self._step_layers or not self._step_layers  # this step's first layer
         position_ids = None
@@ -1779,13 +1779,17 @@ def _columns_kept(length: int, max_length: int) -> int:
     return max(length + max_length, 0) if max_length <= 0 else min(max_length, length)
 
 
-def _refuse_update_args(key_states, value_states, layer_idx) -> None:
-    """Raise the error :meth:`PagedCache.update` gives arguments it cannot store (an int subclass or integer scalar
-    of numpy / torch for ``layer_idx`` is let through)."""
+def _checked_update_args(key_states, value_states, layer_idx) -> int:
+    """``layer_idx`` as an int (an int subclass, an integer scalar of numpy or torch); or the error
+    :meth:`PagedCache.update` gives arguments it cannot store."""
     for name, value in (("key_states", key_states), ("value_states", value_states)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"PagedCache.update: {name} must be a torch.Tensor, got {type(value).__name__}")
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+    try:
+        index = operator.index(layer_idx)
+    except TypeError:
+        index = None
+    if isinstance(layer_idx, bool) or index is None:
         raise TypeError(f"PagedCache.update: layer_idx must be an int, got {layer_idx!r}")
     if key_states.dim() != 4:
         raise ValueError(f"PagedCache.update: key_states must be [batch, num_kv_heads, q_len, head_dim], got shape "
@@ -1793,6 +1797,7 @@ def _refuse_update_args(key_states, value_states, layer_idx) -> None:
     if key_states.shape != value_states.shape:
         raise ValueError(f"PagedCache.update: key_states {tuple(key_states.shape)} and value_states "
                          f"{tuple(value_states.shape)} must have the same shape")
+    return index
 
 
 def check_rows_have_tokens(attention_mask: torch.Tensor) -> None:

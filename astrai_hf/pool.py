@@ -253,8 +253,8 @@ class PagePool:
 
         Args:
             model: a transformers causal LM.
-            **kwargs: as for :class:`PagePool` (``device``, ``dtype``, ``num_kv_heads`` and ``process_group``
-                override what is read from the model).
+            **kwargs: as for :class:`PagePool` (``device``, ``dtype`` and ``process_group`` override what is read
+                from the model; ``num_kv_heads``, where given, must be the model's).
 
         Raises:
             NotImplementedError: the model's cache is not a K/V cache of one head size (see
@@ -284,10 +284,13 @@ class PagePool:
                 raise TypeError(_mixed_dtypes(model, by_dtype))
             kwargs["dtype"] = next(iter(by_dtype), None) or _activation_dtype(model)
         heads = model_kv_spec(model, layers).num_kv_heads
-        given = kwargs.setdefault("num_kv_heads", heads)
-        if isinstance(given, numbers.Integral) and not isinstance(given, bool) and given != heads:
-            raise ValueError(f"num_kv_heads={given} given, but {type(model).__name__}'s attention stores {heads} KV "
-                             "heads per layer (on this rank); leave num_kv_heads out and from_model reads it")
+        if kwargs.get("num_kv_heads") is not None:
+            given = as_count("num_kv_heads", kwargs["num_kv_heads"], 1)
+            if given != heads:
+                where = " on this rank" if rank_group(layers) is not None else ""
+                raise ValueError(f"num_kv_heads={given} given, but {type(model).__name__}'s attention stores {heads} "
+                                 f"KV heads per layer{where}; leave num_kv_heads out and from_model reads it")
+        kwargs["num_kv_heads"] = heads
         if "process_group" not in kwargs:
             ranks = rank_group(layers)
             kwargs["process_group"] = ranks.group if ranks is not None else None
@@ -1015,11 +1018,12 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
 
         pages, device = min((fits(d, b), str(d)) for d, b in bytes_by_device.items())
         if pages < 1:
+            table = (f" and the req_to_token table ({rows * 8} bytes per token of its width)"
+                     if torch.device(device) == layer_devices[0] else "")
             raise ValueError(
                 f"memory_fraction={memory_fraction} of the free memory on {device} does not hold two pages (one "
-                f"usable, one trash page: {bytes_by_device[torch.device(device)]} bytes each there) and the "
-                f"req_to_token table ({rows * 8} bytes per token of its width); pass a larger memory_fraction, or "
-                "max_tokens")
+                f"usable, one trash page: {bytes_by_device[torch.device(device)]} bytes each there){table}; pass a "
+                "larger memory_fraction, or max_tokens")
         return pages
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS

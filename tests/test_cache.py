@@ -687,5 +687,7 @@ def test_update_names_what_it_cannot_store(llama, k, v, layer, error, text):
     assert pool.stats()["num_used_pages"] == 0
     if layer == 0 and isinstance(k, torch.Tensor) and k.dim() == 4 and k.is_floating_point():
         cache = PagedCache(pool, prefix_cache=False)
-        cache.update(k, k, np.int64(0))  # (an integer scalar of numpy is an int)
+        for index in (np.int64(0), torch.tensor(1)):  # (integer scalars of numpy and torch are ints)
+            cache.update(k, k, index)
+        assert cache.get_seq_length() == 3
         cache.release()

@@ -174,8 +174,10 @@ def test_a_config_that_is_not_a_pretrained_config_is_named(config):
 
 def test_from_model_refuses_num_kv_heads_the_model_does_not_have(llama):
     # the pool had been built, then refused at patch() or the first update()
-    with pytest.raises(ValueError, match="num_kv_heads=3 given, but LlamaForCausalLM's attention stores 2 KV heads"):
-        PagePool.from_model(llama, max_tokens=64, num_kv_heads=3)
+    for given in (3, torch.tensor(3)):
+        with pytest.raises(ValueError, match="num_kv_heads=3 given, but LlamaForCausalLM's attention stores 2 KV "
+                                             "heads per layer; leave"):
+            PagePool.from_model(llama, max_tokens=64, num_kv_heads=given)
     assert PagePool.from_model(llama, max_tokens=64, num_kv_heads=2).config.spec.num_kv_heads == 2
 
 
