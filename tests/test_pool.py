@@ -7,6 +7,7 @@ import torch
 
 import astrai_hf
 from astrai_hf import CacheFullError, PagedCache, PagePool
+from astrai_hf.storage import TRASH_PAGE
 from tiny_models import left_padded_batch, tiny_model
 
 
@@ -162,6 +163,34 @@ def test_bad_arguments_name_the_value(llama, kwargs, error, text):
     with pytest.raises(error, match=text):
         PagePool(llama.config, **{"max_tokens": kwargs.pop("max_tokens", 256) if "memory_fraction" not in kwargs
                                   else kwargs.pop("max_tokens", None), **kwargs})
+
+
+def test_a_batch_of_exactly_max_reqs_rows_runs(llama):
+    ids, mask = left_padded_batch([5, 7])
+    want = llama.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    pool = PagePool.from_model(llama, max_tokens=512, page_size=4, max_reqs=2)
+    with astrai_hf.patched(llama, pool=pool):
+        assert torch.equal(llama.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), want)
+    assert pool.stats()["num_reqs_used"] == 0
+    with pytest.raises(CacheFullError, match="request rows"), PagedCache(pool, *left_padded_batch([5, 7, 6])):
+        pass
+
+
+def test_freed_rows_and_cropped_columns_point_at_the_trash_slot(llama):
+    # a padded gather (a decode graph's bucket, a kernel reading a row's table) must never read a freed slot
+    pool = PagePool.from_model(llama, max_tokens=512, page_size=4, max_reqs=4)
+    table = pool.req_to_token.table
+    with astrai_hf.patched(llama, pool=pool):
+        ids, mask = left_padded_batch([5, 9])
+        llama.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert int((table != TRASH_PAGE).sum()) == 0
+    ids, mask = left_padded_batch([6, 9])
+    with PagedCache(pool, ids, mask, prefix_cache=False) as cache:
+        llama(ids, attention_mask=mask, **{astrai_hf.cache_kwarg(llama): cache})
+        cache.crop(-4)  # 5 columns kept: the first row keeps 2 of its 6 tokens, the second 5 of 9
+        rows = cache._rows.req_rows
+        assert [int((table[r] != TRASH_PAGE).sum()) for r in rows] == [2, 5]
+    assert int((table != TRASH_PAGE).sum()) == 0
 
 
 @pytest.mark.parametrize("config", [None, {"num_hidden_layers": 2}, "llama"])

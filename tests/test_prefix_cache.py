@@ -305,6 +305,58 @@ def test_beam_search_reuses_and_shares(llama):
     _assert_pool_idle(pool)
 
 
+def _cached_sequences(pool):
+    """The token sequence of every leaf of the prefix cache's tree (root to leaf)."""
+    tree, out = pool.prefix_cache, []
+    for node in tree.nodes():
+        if not node.children:
+            tokens, at = [], node
+            while at is not tree.root:
+                tokens, at = list(at.tokens) + tokens, at.parent
+            out.append(tokens)
+    return out
+
+
+def test_beam_search_leaves_the_prefix_cache_keyed_by_the_tokens_its_pages_hold(llama):
+    # beam search reorders rows (their slots and token ids copied between request rows); a copy of the slots
+    # without the ids would key pages by another beam's tokens, and a later prompt would reuse K/V of other tokens
+    ids, mask = left_padded_batch([6], seed=3)
+    pool = _pool(llama, max_tokens=1024, page_size=4)
+    _generate(llama, pool, ids, mask, max_new_tokens=10, num_beams=3, num_return_sequences=3)
+    sequences = _cached_sequences(pool)
+    assert len(sequences) >= 2
+    for tokens in sequences:
+        prompt = torch.tensor([tokens + [5]])
+        want = llama.generate(prompt, max_new_tokens=6, do_sample=False)
+        got, hits = _hits(pool, lambda: _generate(llama, pool, prompt, torch.ones_like(prompt), max_new_tokens=6))
+        assert hits >= len(tokens) - 3 and torch.equal(got, want)
+    _assert_pool_idle(pool)
+
+
+def test_eviction_takes_the_least_recently_used_prefix_first(llama):
+    # pool of 16 pages of 4: A and B cached (5 pages each with their new tokens), A used again, then C needs room
+    pool = _pool(llama, max_tokens=64, page_size=4)
+    a, b, c = (_tokens(n, seed)[None] for n, seed in ((16, 1), (16, 2), (30, 3)))
+    for prompt in (a, b, a, c):
+        _generate(llama, pool, prompt, torch.ones_like(prompt), max_new_tokens=4)
+    assert pool.stats()["evictions"] > 0
+    _, hits = _hits(pool, lambda: _generate(llama, pool, a, torch.ones_like(a), max_new_tokens=4))
+    assert hits == 15  # B's pages went; A's stayed (all its prompt but the last token, which is always computed)
+    _assert_pool_idle(pool)
+
+
+def test_a_partly_reused_page_counts_as_used_for_eviction():
+    alloc = PageAllocator(9, first_page=1)
+    cache = PrefixCache(alloc, page_size=2)
+    old, new = alloc.alloc(1), alloc.alloc(1)
+    cache.insert([5, 6], old)
+    cache.insert([7, 8], new)
+    alloc.decref(old + new)
+    assert cache.match([5, 9]) == (old, 1)  # the first page of [5, 6] serves one token: it is used now
+    assert cache.evict(1) == 1
+    assert cache.match([5, 6]) == (old, 2) and cache.match([7, 8]) == ([], 0)
+
+
 def test_pool_pressure_raises_and_stays_consistent(llama):
     pool = _pool(llama, max_tokens=20 * 4, page_size=4)  # 20 pages
     for seed in range(3):
