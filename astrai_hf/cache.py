@@ -651,6 +651,8 @@ class PagedCache(Cache):
                 if refused is None:
                     self.release()
                 raise
+            finally:
+                failed = refused = None  # (held by the traceback's frame, they would make a cycle)
         self._step, self._step_layers = step, set()
         self.step_saw_positions = False  # whether the layers passed update() this step's position_ids
         return step

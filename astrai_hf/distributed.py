@@ -94,7 +94,10 @@ class RankGroup:
         dist.broadcast_object_list(message, src=dist.get_global_rank(self.group, rank), group=self.group,
                                    device=self.device)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # (the traceback holds this frame: no cycle through it keeps the error's frames alive)
         where = f"tensor-parallel rank {rank} of {self.size}"
         if code in (_FULL_PAGES, _FULL_ROWS):
             raise CacheFullError(
@@ -118,10 +121,13 @@ class RankGroup:
 
 def agree(ranks: RankGroup | None, error: BaseException | None) -> None:
     """Re-raise ``error`` without tensor parallelism; with it, :meth:`RankGroup.agree` (a collective)."""
-    if ranks is not None:
-        ranks.agree(error)
-    elif error is not None:
-        raise error
+    try:
+        if ranks is not None:
+            ranks.agree(error)
+        elif error is not None:
+            raise error
+    finally:
+        error = None  # (the traceback holds this frame: no cycle through it keeps the error's frames alive)
 
 
 def _encode(error: BaseException | None) -> tuple[int, int, int, int]:

@@ -47,7 +47,8 @@ class PatchState:
     family_undo: list = field(default_factory=list)
     step: StepMetadata | None = None
     step_pool: PagePool | None = None
-    checked_pools: set = field(default_factory=set)
+    # the pools checked against the model, held weakly (an id() could name a later pool at a freed one's address)
+    checked_pools: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     packable: bool = False
     pack_prefill: bool = False
     prefill_chunk_tokens: int | None = None
@@ -284,7 +285,7 @@ def _patch_onto(model, pool: PagePool, modules: list, pack_prefill: bool, prefil
         embeds_token_types=embeds_token_types(model),
         own_pool_kwargs=own_pool_kwargs,
     )
-    state.checked_pools.add(id(pool))
+    state.checked_pools.add(pool)
     state.watched = watched_modules(model)
     _install(model, state, modules)
     logger.info("patched %s: %r, packed prefill %s", type(model).__name__, pool,
@@ -1024,11 +1025,11 @@ def _wrap_forward(owner, forward, state: PatchState):
     def _paged_forward(model, cache, /, *args, **kwargs):  # (positional only: `cache=` is a forward kwarg)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
             return forward(*args, **kwargs)
-        if id(cache.pool) not in state.checked_pools:
+        if cache.pool not in state.checked_pools:
             cache.pool.check_model(model)
             _check_chunked_attention(model, cache.pool)  # (patch() checked its own pool; this is the caller's)
             _check_window_in_mask(model, cache.pool)
-            state.checked_pools.add(id(cache.pool))
+            state.checked_pools.add(cache.pool)
         synced = False
         if cache.pool.model is not model or cache.checked_model != id(model):
             # another model shares the pool, or the weights changed: the cached prefixes are not ours, and a cache
@@ -1345,9 +1346,9 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
     # between two of its steps would clear the prefix cache under it)
     with _one_call(state, pool):
         pool = pool or state.pool
-        if id(pool) not in state.checked_pools:
+        if pool not in state.checked_pools:
             pool.check_model(model)
-            state.checked_pools.add(id(pool))
+            state.checked_pools.add(pool)
         if pool.model is not model:
             pool.bind_model(model)
         runner = _runner(model, state, pool)
@@ -1541,6 +1542,8 @@ def _wrap_generate(owner, generate, state: PatchState):
             if cache is not None:
                 cache.release()
             raise
+        finally:
+            failed = None  # (held by the traceback's frame, it would make a cycle keeping the model and its pool)
         if cache.prefilled_from_prefix_cache:
             forget_rope_deltas(model)
         try:
@@ -2123,7 +2126,7 @@ def _rebuild_pool(model, state: PatchState) -> None:
     prefixes were computed by the model before the move)."""
     old = state.pool
     state.pool = PagePool.from_model(model, **state.own_pool_kwargs)
-    state.checked_pools.add(id(state.pool))
+    state.checked_pools.add(state.pool)
     # CUDA graphs by default for a model now wholly on one CUDA device (patched on the CPU, then .to("cuda")), and
     # not for one moved off it
     state.cuda_graphs = _wants_graphs(model, state.graphs_given)
@@ -2454,7 +2457,10 @@ def _holes_in_mask_on_every_rank(pool: PagePool, args: tuple, kwargs: dict, conf
         except ValueError as e:
             failed = e
     if some and not_all:
-        agree(pool.ranks, failed)
+        try:
+            agree(pool.ranks, failed)
+        finally:
+            failed = None  # (held by the traceback's frame, it would make a cycle)
     return holes
 
 

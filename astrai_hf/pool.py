@@ -435,7 +435,10 @@ class PagePool:
             if error is not None and collect_garbage and self.release_garbage_caches():
                 error = self._make_free(num_pages)
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    error = None  # (held by the traceback's frame, it would make a cycle keeping the pool)
 
     def _make_free(self, num_pages: int) -> CacheFullError | None:
         """:meth:`reserve`'s steps; the error to raise when they are not enough."""
@@ -606,7 +609,10 @@ class PagePool:
                 loaded = load_prefix_cache(self, path, model)
         except Exception as e:
             failed = e
-        agree(self.ranks, failed)
+        try:
+            agree(self.ranks, failed)
+        finally:
+            failed = None  # (held by the traceback's frame, it would make a cycle)
         if self.ranks is not None:
             try:
                 self.ranks.check_equal(

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 import astrai_hf
-from astrai_hf import PagePool
+from astrai_hf import CacheFullError, PagedCache, PagePool
 from tiny_models import left_padded_batch, tiny_model
 
 
@@ -388,6 +388,42 @@ def test_a_deleted_patched_model_frees_its_pool_without_the_garbage_collector(se
         refs = [weakref.ref(model), weakref.ref(astrai_hf.get_pool(model)),
                 weakref.ref(astrai_hf.get_pool(model).storage.k[0])]
         del model, pool
+        assert [ref() is None for ref in refs] == [True, True, True]
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("failure", ["past max_seq_len", "pool full", "pool full, own cache", "a hand loop"])
+def test_a_deleted_patched_model_frees_its_pool_without_the_garbage_collector_after_a_call_that_failed(failure):
+    # the error was kept in a local of the frames it was raised through (to be raised on every tensor-parallel
+    # rank), which the traceback holds: a cycle that kept the model and the pool's K/V until the garbage collector
+    # ran, though the caller kept nothing of the error
+    import gc
+    import weakref
+
+    ids, mask = left_padded_batch([5, 3])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=60, min_new_tokens=60)
+    if failure == "past max_seq_len":
+        kw.update(max_new_tokens=300, min_new_tokens=300)
+    gc.collect()
+    gc.disable()
+    try:
+        model = tiny_model("llama")
+        astrai_hf.patch(model, max_tokens=32, page_size=4, max_seq_len=256)
+        pool = astrai_hf.get_pool(model)
+        with pytest.raises(ValueError if failure == "past max_seq_len" else CacheFullError):
+            if failure == "pool full, own cache":
+                with PagedCache(pool) as cache:
+                    model.generate(ids, **kw, **{astrai_hf.cache_kwarg(model): cache})
+            elif failure == "a hand loop":
+                with PagedCache(pool, prefix_cache=False) as cache:
+                    model(torch.randint(3, 90, (2, 40)), **{astrai_hf.cache_kwarg(model): cache})
+            else:
+                model.generate(ids, **kw)
+        refs = [weakref.ref(model), weakref.ref(pool), weakref.ref(pool.storage.k[0])]
+        del model, pool
+        if failure in ("pool full, own cache", "a hand loop"):
+            del cache
         assert [ref() is None for ref in refs] == [True, True, True]
     finally:
         gc.enable()
