@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 32_768
 DEFAULT_MAX_REQS = 128
+EVICTION_BATCH_DIVISOR = 256  # an eviction frees at least num_pages // 256 cached pages (see PagePool._make_free)
 
 
 class PagePool:
@@ -415,7 +416,8 @@ class PagePool:
     def reserve(self, num_pages: int, collect_garbage: bool = True) -> None:
         """Make ``num_pages`` pages free: first by taking back the pages live caches reserved for tokens they have
         not written yet (see ``PagedCache(reserve_new_tokens=...)``; their rows then grow page by page), then by
-        evicting cached-only pages (LRU, tail first).
+        evicting cached-only pages (LRU, tail first): at least ``num_pages // 256`` of the pool's pages at once
+        where the cache holds that many, since an eviction walks every cached page.
 
         Args:
             num_pages: pages wanted free.
@@ -456,9 +458,13 @@ class PagePool:
         cached = self.prefix_cache.num_cached_only if self.prefix_cache is not None else 0  # >= what can be evicted
         if num_pages > free + cached:
             return CacheFullError(num_pages, free, self.prefix_cache.num_evictable if cached else 0)
-        logger.debug("KV pool pressure: %d pages wanted, %d free; evicting %d cached prefix pages",
-                     num_pages, free, num_pages - free)
-        self.prefix_cache.evict(num_pages - free)
+        # an eviction walks every cached page (and the count above too): evicting at least a 256th of the pool at
+        # once, least recently used first, leaves free pages for the next steps' allocations, so that a pool full
+        # of cached prefixes does not walk them at every page a call takes
+        batch = max(num_pages - free, self.allocator.num_usable // EVICTION_BATCH_DIVISOR)
+        logger.debug("KV pool pressure: %d pages wanted, %d free; evicting up to %d cached prefix pages",
+                     num_pages, free, batch)
+        self.prefix_cache.evict(batch)
         if self.allocator.num_free < num_pages:
             return CacheFullError(num_pages, self.allocator.num_free, self.prefix_cache.num_evictable)
         return None

@@ -429,6 +429,25 @@ def test_a_deleted_patched_model_frees_its_pool_without_the_garbage_collector_af
         gc.enable()
 
 
+def test_pools_a_patched_model_checked_are_not_remembered_past_their_life():
+    # they were remembered by id(): the set grew by every temporary pool, and a later pool at a freed one's address
+    # skipped the check against the model (its own geometry, window, chunking)
+    import gc
+
+    from astrai_hf.patch import _STATE_ATTR
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9])
+    astrai_hf.patch(model, max_tokens=256)
+    for _ in range(3):
+        pool = PagePool.from_model(model, max_tokens=64, page_size=4)
+        with PagedCache(pool) as cache:
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, **{astrai_hf.cache_kwarg(model): cache})
+        del pool, cache
+    gc.collect()
+    assert list(vars(model)[_STATE_ATTR].checked_pools) == [astrai_hf.get_pool(model)]
+
+
 def test_an_attention_subclass_of_the_callers_is_patched_when_it_calls_the_parents_forward():
     from transformers.models.llama.modeling_llama import LlamaAttention
 

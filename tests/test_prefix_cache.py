@@ -345,6 +345,25 @@ def test_eviction_takes_the_least_recently_used_prefix_first(llama):
     _assert_pool_idle(pool)
 
 
+def test_a_pool_full_of_cached_prefixes_evicts_in_batches(monkeypatch):
+    # an eviction walks every cached page: evicting only the pages a step lacked made a call on a full pool walk
+    # them at every page it took (a long session's calls slowed down linearly in the pool's size)
+    model = tiny_model("llama", max_position_embeddings=512)
+    pool = _pool(model, max_tokens=4096, page_size=1)
+    for seed in range(17):  # 17 x 250 tokens: more than the pool holds
+        prompt = _tokens(250, 100 + seed)[None]
+        _generate(model, pool, prompt, torch.ones_like(prompt), max_new_tokens=1)
+    assert pool.stats()["num_free_pages"] < 16 and pool.stats()["evictions"] > 0
+    calls = []
+    evict = PrefixCache.evict
+    monkeypatch.setattr(PrefixCache, "evict", lambda self, n: calls.append(n) or evict(self, n))
+    ids, mask = left_padded_batch([40, 25])
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    assert torch.equal(_generate(model, pool, ids, mask, max_new_tokens=24), want)
+    assert 1 <= len(calls) <= 4 and all(n >= 4096 // 256 for n in calls), calls  # (one per page taken: about 50)
+    _assert_pool_idle(pool)
+
+
 def test_a_partly_reused_page_counts_as_used_for_eviction():
     alloc = PageAllocator(9, first_page=1)
     cache = PrefixCache(alloc, page_size=2)
