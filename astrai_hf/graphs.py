@@ -450,6 +450,7 @@ class DecodeGraphRunner:
         # the capture (or land in the graph): no garbage collection until the graph is captured
         collecting = gc.isenabled()
         gc.disable()
+        interrupted = None
         # on the pool's device, also when another one is current (a model on cuda:1): the streams below must be the
         # ones its kernels run on (a replay sets the device it was captured on by itself)
         try:
@@ -468,7 +469,6 @@ class DecodeGraphRunner:
                     self._capture_stream = torch.cuda.Stream()
                 graph = torch.cuda.CUDAGraph()
                 before = torch.cuda.current_stream()
-                interrupted = None
                 try:
                     # thread_local: a CUDA call another thread makes meanwhile (a model on a pool of its own, in its
                     # own generate()) neither fails nor breaks this capture (as torch.compile's graphs capture)
@@ -484,11 +484,15 @@ class DecodeGraphRunner:
                         if static_out.get(name) is not None:  # capture's would keep its pool alive)
                             static_out[name] = None
                 except RuntimeError as e:  # (torch's AcceleratorError is one too)
-                    if interrupted is not None:  # ending the capture failed on it: no refusal of CUDA's
-                        torch.cuda.set_stream(before)
-                        raise interrupted from None
-                    self._refused(bucket, e, before)
+                    if interrupted is None:
+                        self._refused(bucket, e, before)
+                if interrupted is not None:  # ending the capture failed on it: no refusal of CUDA's
+                    # raised outside the handler: its context would be CUDA's error, whose traceback holds the
+                    # frame that ended the capture, which holds the interrupt: a cycle keeping the model and pool
+                    torch.cuda.set_stream(before)
+                    raise interrupted
         finally:
+            interrupted = None  # (held by the traceback's frame, it would make a cycle keeping the model and pool)
             if collecting:
                 gc.enable()
         self.capture_seconds[bucket] = time.perf_counter() - start

@@ -309,6 +309,35 @@ def test_a_ctrl_c_during_a_capture_reaches_the_caller_and_refuses_nothing(captur
         assert runner.captured == [1, 4] and [g.replays for g in captured] == [4 + 5, 5]
 
 
+def test_a_model_whose_capture_a_ctrl_c_stopped_is_freed_when_deleted(captured):
+    # the interrupt, kept in a local of the capture's frame to be raised after the capture ended, was held by the
+    # traceback through that frame: a cycle that kept the model and its pool until the garbage collector ran
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 2, 6], seed=7)
+    mlp = model.model.layers[0].mlp
+
+    def interrupted(x, _forward=mlp.forward):
+        if torch.cuda.is_current_stream_capturing():
+            raise KeyboardInterrupt
+        return _forward(x)
+
+    mlp.forward = interrupted
+    gc.collect()
+    gc.disable()
+    try:
+        astrai_hf.patch(model, max_tokens=1024, page_size=4, cuda_graphs=True)
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        refs = [weakref.ref(model), weakref.ref(astrai_hf.get_pool(model))]
+        del model, mlp, interrupted
+        assert [ref() is None for ref in refs] == [True, True]
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("first", ["a tuple asked for", "generate()"])
 def test_a_decode_step_that_asks_for_a_tuple_gets_one_and_leaves_no_broken_graph(captured, first):
     # a graph hands back the output it was captured with: a tuple step captured the bucket (and every later call of
