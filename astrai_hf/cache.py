@@ -1216,6 +1216,9 @@ class PagedCache(Cache):
                             f"KV heads where its attention computes {H} (a num_key_value_heads its family ignores): "
                             f"set model.config.num_key_value_heads = {H} and build the pool again "
                             "(PagePool.from_model(model), or patch(model) again)")
+                elif H == cfg.spec.num_kv_heads:  # (a head_dim in the config that the family ignores)
+                    fix += (f" (which reads the head size from the attention: a pool built from the config takes its "
+                            f"head_dim, {cfg.spec.head_dim}, which this family may ignore)")
                 raise ValueError(
                     f"layer {layer_idx} produced K/V with {H} heads x head_dim {D}, but the pool stores "
                     f"{cfg.spec.num_kv_heads} x {cfg.spec.head_dim}; {fix}"

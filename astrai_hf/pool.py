@@ -60,6 +60,8 @@ class PagePool:
             the same tokens (default True); see :mod:`astrai_hf.prefix_cache`.
         num_kv_heads: KV heads stored per layer; defaults to the config's. Under tensor parallelism, the heads
             this rank holds (``from_model`` reads them from the model).
+        head_dim: K/V head size; defaults to the config's ``head_dim``, else ``hidden_size // num_attention_heads``
+            (``from_model`` reads it from the attention modules: some families ignore a config's ``head_dim``).
         process_group: the tensor-parallel ``torch.distributed`` group whose ranks hold the other heads of the
             same sequences (``from_model`` finds it). Pages sized by ``memory_fraction`` are then the minimum over
             the ranks, so every rank has the same pages, and errors are raised on all ranks together (see
@@ -87,6 +89,7 @@ class PagePool:
         prefix_cache: bool = True,
         num_kv_heads: int | None = None,
         process_group=None,
+        head_dim: int | None = None,
     ):
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"PagePool needs the model's transformers PretrainedConfig (model.config), got "
@@ -105,6 +108,8 @@ class PagePool:
         max_reqs = None if max_reqs is None else as_int("max_reqs", max_reqs)
         if num_kv_heads is not None:
             spec = dataclasses.replace(spec, num_kv_heads=as_count("num_kv_heads", num_kv_heads, 1))
+        if head_dim is not None:
+            spec = dataclasses.replace(spec, head_dim=as_count("head_dim", head_dim, 1))
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         dtype = _resolve_dtype(config) if dtype is None else dtype
@@ -255,13 +260,13 @@ class PagePool:
         Args:
             model: a transformers causal LM.
             **kwargs: as for :class:`PagePool` (``device``, ``dtype`` and ``process_group`` override what is read
-                from the model; ``num_kv_heads``, where given, must be the model's).
+                from the model; ``num_kv_heads`` and ``head_dim``, where given, must be the model's).
 
         Raises:
             NotImplementedError: the model's cache is not a K/V cache of one head size (see
                 :func:`unsupported_model`).
             ValueError: as for :class:`PagePool`, or the model's KV heads do not split into whole heads per
-                tensor-parallel rank, or ``num_kv_heads`` is given and is not the model's.
+                tensor-parallel rank, or ``num_kv_heads`` or ``head_dim`` is given and is not the model's.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"PagePool.from_model takes a transformers model (a torch.nn.Module), got "
@@ -284,14 +289,16 @@ class PagePool:
             if len(by_dtype) > 1:
                 raise TypeError(_mixed_dtypes(model, by_dtype))
             kwargs["dtype"] = next(iter(by_dtype), None) or _activation_dtype(model)
-        heads = model_kv_spec(model, layers).num_kv_heads
-        if kwargs.get("num_kv_heads") is not None:
-            given = as_count("num_kv_heads", kwargs["num_kv_heads"], 1)
-            if given != heads:
-                where = " on this rank" if rank_group(layers) is not None else ""
-                raise ValueError(f"num_kv_heads={given} given, but {type(model).__name__}'s attention stores {heads} "
-                                 f"KV heads per layer{where}; leave num_kv_heads out and from_model reads it")
-        kwargs["num_kv_heads"] = heads
+        spec = model_kv_spec(model, layers)
+        for name, value, what in (("num_kv_heads", spec.num_kv_heads, "KV heads per layer"),
+                                  ("head_dim", spec.head_dim, "as the size of a K/V head")):
+            if kwargs.get(name) is not None:
+                given = as_count(name, kwargs[name], 1)
+                if given != value:
+                    where = " on this rank" if name == "num_kv_heads" and rank_group(layers) is not None else ""
+                    raise ValueError(f"{name}={given} given, but {type(model).__name__}'s attention stores {value} "
+                                     f"{what}{where}; leave {name} out and from_model reads it")
+            kwargs[name] = value
         if "process_group" not in kwargs:
             ranks = rank_group(layers)
             kwargs["process_group"] = ranks.group if ranks is not None else None
@@ -874,7 +881,16 @@ def model_kv_spec(model: torch.nn.Module, layers: list[torch.nn.Module] | None =
     spec = KVSpec.from_config(model.config)
     layers = attention_modules(model) if layers is None else layers
     heads = kv_heads_per_rank(model, layers, spec.num_kv_heads)
-    return spec if heads == spec.num_kv_heads else dataclasses.replace(spec, num_kv_heads=heads)
+    if heads != spec.num_kv_heads:
+        spec = dataclasses.replace(spec, num_kv_heads=heads)
+    # a config may name a head_dim its family ignores (GPT-NeoX, OPT, GPT-2 divide hidden_size by the heads): the
+    # head size the attention modules compute with, where they all say one, is what their K/V have
+    sizes = {getattr(m, "head_dim", None) if isinstance(getattr(m, "head_dim", None), int)
+             else getattr(m, "head_size", None) for m in layers}
+    if len(sizes) == 1 and isinstance(size := next(iter(sizes)), int) and not isinstance(size, bool) and size > 0 \
+            and size != spec.head_dim:
+        spec = dataclasses.replace(spec, head_dim=size)
+    return spec
 
 
 def accelerate_hooks(module: torch.nn.Module) -> list:

@@ -193,6 +193,31 @@ def test_freed_rows_and_cropped_columns_point_at_the_trash_slot(llama):
     assert int((table != TRASH_PAGE).sum()) == 0
 
 
+@pytest.mark.parametrize("family", ["gpt_neox", "opt"])
+def test_a_head_dim_in_the_config_that_the_family_ignores_takes_the_attentions_head_size(family):
+    # GPT-NeoX and OPT divide hidden_size by the heads, whatever a config's head_dim says: the pool took the
+    # config's, and every call failed, advising the PagePool.from_model(model) that built that pool
+    import transformers as T
+
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                  pad_token_id=0)
+    if family == "gpt_neox":
+        model = T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**common, intermediate_size=128)).eval()
+    else:
+        model = T.OPTForCausalLM(T.OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64)).eval()
+    ids, mask = left_padded_batch([3, 5])
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert PagePool.from_model(model, max_tokens=64).config.spec.head_dim == 16
+    with pytest.raises(ValueError, match="head_dim=8 given, but .* stores 16 as the size of a K/V head"):
+        PagePool.from_model(model, max_tokens=64, head_dim=8)
+    with astrai_hf.patched(model, max_tokens=256):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), want)
+    with pytest.raises(ValueError, match=r"head_dim 16, but the pool stores 4 x 8; .*reads the head size from the "
+                                         r"attention"):
+        with PagedCache(PagePool(model.config, max_tokens=64)) as cache:
+            model(ids, attention_mask=mask, **{astrai_hf.cache_kwarg(model): cache})
+
+
 @pytest.mark.parametrize("config", [None, {"num_hidden_layers": 2}, "llama"])
 def test_a_config_that_is_not_a_pretrained_config_is_named(config):
     # it had failed inside with "vars() argument must have __dict__ attribute"
