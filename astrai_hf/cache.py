@@ -1812,10 +1812,16 @@ def check_rows_have_tokens(attention_mask: torch.Tensor) -> None:
     Raises:
         ValueError: naming the rows.
     """
-    if attention_mask.dim() == 2 and attention_mask.shape[1] > 0:
-        empty = (attention_mask == 0).all(-1).nonzero().flatten().tolist()
-        if empty:
-            raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
+    empty = empty_rows(attention_mask)
+    if empty:
+        raise ValueError(f"attention_mask rows {empty} have no tokens (all zeros); every row needs one")
+
+
+def empty_rows(attention_mask: torch.Tensor) -> list[int]:
+    """The rows of a [B, L] 0/1 mask (L > 0) that are all zeros."""
+    if attention_mask.dim() != 2 or attention_mask.shape[1] == 0:
+        return []
+    return (attention_mask == 0).all(-1).nonzero().flatten().tolist()
 
 
 def left_padding(attention_mask: torch.Tensor) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 
 from . import attention, packing
 from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, check_rows_have_tokens,
-                    forget_rope_deltas, left_padding)
+                    empty_rows, forget_rope_deltas, left_padding)
 from .config import OWN_ATTENTION, KVSpec, as_count, as_flag, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
@@ -2488,7 +2488,7 @@ def _check_rows_have_tokens(implied_mask: torch.Tensor, kwargs: dict, config) ->
     Raises:
         ValueError: naming the rows and the pad token.
     """
-    empty = (implied_mask == 0).all(-1).nonzero().flatten().tolist()
+    empty = empty_rows(implied_mask)
     if empty:
         pad = kwargs.get("pad_token_id", config.pad_token_id)
         raise ValueError(

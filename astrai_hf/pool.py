@@ -885,12 +885,19 @@ def model_kv_spec(model: torch.nn.Module, layers: list[torch.nn.Module] | None =
         spec = dataclasses.replace(spec, num_kv_heads=heads)
     # a config may name a head_dim its family ignores (GPT-NeoX, OPT, GPT-2 divide hidden_size by the heads): the
     # head size the attention modules compute with, where they all say one, is what their K/V have
-    sizes = {getattr(m, "head_dim", None) if isinstance(getattr(m, "head_dim", None), int)
-             else getattr(m, "head_size", None) for m in layers}
-    if len(sizes) == 1 and isinstance(size := next(iter(sizes)), int) and not isinstance(size, bool) and size > 0 \
-            and size != spec.head_dim:
+    sizes = {_head_size(m) for m in layers}
+    if len(sizes) == 1 and (size := sizes.pop()) is not None and size != spec.head_dim:
         spec = dataclasses.replace(spec, head_dim=size)
     return spec
+
+
+def _head_size(module: torch.nn.Module) -> int | None:
+    """The head size an attention module says it computes with (``head_dim``, or GPT-NeoX's ``head_size``)."""
+    for name in ("head_dim", "head_size"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def accelerate_hooks(module: torch.nn.Module) -> list:
@@ -1044,14 +1051,14 @@ def _size_pages(spec, page_size, dtype, layer_devices, max_tokens, memory_fracti
             narrow = (budget - per_token * longest) // page_bytes if longest else 0
             return max(wide, narrow)
 
-        pages, device = min((fits(d, b), str(d)) for d, b in bytes_by_device.items())
+        device, pages = min(((d, fits(d, b)) for d, b in bytes_by_device.items()), key=lambda item: item[1])
         if pages < 1:
-            table = (f" and the req_to_token table ({rows * 8} bytes per token of its width)"
-                     if torch.device(device) == layer_devices[0] else "")
+            held = (f" and the req_to_token table ({rows * 8} bytes per token of its width)"
+                    if device == layer_devices[0] else "")
             raise ValueError(
                 f"memory_fraction={memory_fraction} of the free memory on {device} does not hold two pages (one "
-                f"usable, one trash page: {bytes_by_device[torch.device(device)]} bytes each there){table}; pass a "
-                "larger memory_fraction, or max_tokens")
+                f"usable, one trash page: {bytes_by_device[device]} bytes each there){held}; pass a larger "
+                "memory_fraction, or max_tokens")
         return pages
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
