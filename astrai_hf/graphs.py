@@ -486,6 +486,9 @@ class DecodeGraphRunner:
                 except RuntimeError as e:  # (torch's AcceleratorError is one too)
                     if interrupted is None:
                         self._refused(bucket, e, before)
+                except BaseException:  # a Ctrl-C as the capture ends, before torch's context set the stream back
+                    torch.cuda.set_stream(before)
+                    raise
                 if interrupted is not None:  # ending the capture failed on it: no refusal of CUDA's
                     # raised outside the handler: its context would be CUDA's error, whose traceback holds the
                     # frame that ended the capture, which holds the interrupt: a cycle keeping the model and pool

@@ -309,6 +309,37 @@ def test_a_ctrl_c_during_a_capture_reaches_the_caller_and_refuses_nothing(captur
         assert runner.captured == [1, 4] and [g.replays for g in captured] == [4 + 5, 5]
 
 
+def test_a_ctrl_c_while_a_capture_ends_leaves_the_callers_stream_current(captured):
+    # an interrupt inside torch's graph context as it ends the capture (the capture ended, its stream still the
+    # current one): not a RuntimeError of CUDA's, it passed the handler that sets the caller's stream again
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([4, 2, 6], seed=7)
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    want = stock.generate(ids, attention_mask=mask, **kw)
+    graph, armed = torch.cuda.graph, [True]
+    end = graph.__exit__
+
+    def interrupted_end(self, *exc):
+        end(self, *exc)
+        if armed[0]:
+            armed[0] = False
+            torch.cuda.set_stream(self.stream)  # (torch's context sets the caller's stream after ending the capture)
+            raise KeyboardInterrupt
+
+    graph.__exit__ = interrupted_end
+    stream = torch.cuda.current_stream()
+    with _patched(model):
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(ids, attention_mask=mask, **kw)
+        assert torch.cuda.current_stream() is stream
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+        assert torch.equal(model.generate(ids, attention_mask=mask, **kw), want)
+        assert torch.cuda.current_stream() is stream
+        runner = _runner(model)
+        # (4 decode steps, and the last token of the prompt, met whole in the prefix cache the first call filled)
+        assert runner.uncapturable is None and runner.captured == [4] and runner.replays == 5
+
+
 def test_a_model_whose_capture_a_ctrl_c_stopped_is_freed_when_deleted(captured):
     # the interrupt, kept in a local of the capture's frame to be raised after the capture ended, was held by the
     # traceback through that frame: a cycle that kept the model and its pool until the garbage collector ran
