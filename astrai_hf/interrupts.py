@@ -8,6 +8,7 @@ good or free it twice. The bookkeeping of a cache (planning a step, selecting ro
 
 from __future__ import annotations
 
+import _signal  # signal's C module: the handlers signal's wrappers take and return, without their enum lookups
 import contextlib
 import signal
 import threading
@@ -25,19 +26,21 @@ def interrupts_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    # (through the C module: signal.signal() and getsignal() look the handler up among their enums, raising and
+    # catching a ValueError for every callable one, some 45 us a block, which runs at every decode step)
+    previous = _signal.getsignal(signal.SIGINT)
     if not callable(previous):
         yield
         return
     received = []
     try:
-        signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+        _signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
     except (ValueError, TypeError):  # not the main interpreter, or signals unavailable
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if received:
             previous(signal.SIGINT, received[0])
