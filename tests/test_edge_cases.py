@@ -52,6 +52,26 @@ def test_transformers_chunked_prefill_after_a_prefix_hit(chunk):
         assert _used(model) == 0
 
 
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_transformers_chunked_prefill_given_a_cache_back_gives_a_fresh_calls_tokens(chunk):
+    # before 5.24 stock's chunked prefill feeds the whole prompt again on top of the cache passed back (its cache
+    # then holds the first turn twice); a patched call stores each token once, and gives a fresh call's tokens
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([11, 6], seed=2)
+    kw = dict(max_new_tokens=4, do_sample=False, prefill_chunk_size=chunk)
+    with astrai_hf.patched(model, page_size=4):
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kw)
+        cache = out[astrai_hf.cache_kwarg(model)]
+        turn = torch.cat([out.sequences, torch.tensor([[5, 6, 7, 8, 9]] * 2)], 1)
+        mask = torch.cat([mask, torch.ones(2, 4 + 5, dtype=mask.dtype)], 1)
+        fresh = stock.generate(turn, attention_mask=mask, **kw)
+        assert torch.equal(model.generate(turn, attention_mask=mask, **kw, **{astrai_hf.cache_kwarg(model): cache}),
+                           fresh)
+        assert cache.get_seq_length() == turn.shape[1] + 4 - 1
+        del out, cache
+        assert _used(model) == 0
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_transformers_chunked_prefill_of_chunks_that_are_only_padding(chunk):
     # rows of a padded batch taken apart (ids[1:]) keep its width: the first chunks hold no real token, and the
