@@ -114,6 +114,9 @@ def test_workspace_pads_only_rows_a_larger_batch_wrote():
     assert pads == []  # nothing but trash past row 6 from the start
     step(3, 12)
     assert pads == [(3, 6)]  # the rows the batch of 6 wrote (bucket 4 reads row 3)
+    # (a step whose indices are on the host alone: each of the three taken from its own field)
+    assert ws.seq_lens[:3].eq(13).all() and ws.req_rows[:3].tolist() == [0, 1, 2]
+    assert ws.slot_mapping[:3].tolist() == [100, 101, 102] and ws.position_ids[:3].eq(12).all()
     step(3, 13)
     assert pads == [(3, 6)]
     assert ws.input_ids[3:].eq(0).all() and ws.position_ids[3:].eq(0).all() and ws.req_rows[3:].eq(99).all()
@@ -545,16 +548,24 @@ def test_the_workspace_takes_indices_sent_from_the_host_as_one_padded_block():
     length 1), also after a larger batch. (The host block stands in here for the CPU copy a CUDA workspace keeps.)"""
     from astrai_hf.graphs import DecodeWorkspace
 
+    from astrai_hf.graphs import GraphStep
+
     ws = DecodeWorkspace(8, pad_row=9, device=torch.device("cpu"))
     ws._host_indices = ws.indices.clone()
     pad = torch.tensor([0, 9, 1])[:, None]
-    for B in (8, 3, 5, 1, 8):
+    address = ws.indices.data_ptr()
+    gstep = GraphStep(ws, 8, table=torch.zeros(10, 4, dtype=torch.int32))  # what a captured graph reads
+    # (each size again right after a smaller one: the block sent whole keeps the rows past it padded)
+    for B in (8, 3, 3, 5, 1, 1, 8):
         sent = torch.stack([torch.arange(B) + 100, torch.arange(B), torch.arange(B) + 2])
         step = types.SimpleNamespace(decode_indices=sent, prev_lens=list(range(B)))
         ws.fill(step, torch.arange(B)[:, None] + 10, None, 8)
         assert torch.equal(ws.indices[:, :B], sent)
         assert torch.equal(ws.indices[:, B:], pad.expand(3, 8 - B)), B
         assert torch.equal(ws.input_ids[B:], torch.zeros(8 - B, 1, dtype=torch.long))
+        # copied into the buffers a graph reads, not bound to new ones
+        assert ws.indices.data_ptr() == address
+        assert torch.equal(torch.stack([gstep.slot_mapping, gstep.req_rows, gstep.seq_lens_t]), ws.indices)
 
 
 def test_a_replayed_decode_step_sends_three_copies_to_the_device_outside_its_graph():

@@ -188,6 +188,25 @@ def test_packed_after_a_prefix_hit(spy):
     assert spy["chunks"] == [40 + 45 + 20]  # the second call's one-column prefill has no padding to drop
 
 
+@pytest.mark.parametrize("mode", ["sample", "beams"])
+def test_identical_rows_computed_once_after_a_prefix_hit(mode, spy):
+    # the prompts' cached pages make their rows' slots not consecutive: each copy computed reads its K/V through
+    # its own prompt's req_to_token row (not the first rows', which are two copies of the first prompt)
+    model = tiny_model("llama")
+    base, base_mask = left_padded_batch([9, 13], seed=7)
+    more, more_mask = left_padded_batch([6, 6], seed=8)
+    ids, mask = torch.cat([base, more], 1), torch.cat([base_mask, more_mask], 1)  # the same prompts, 6 tokens on
+    kwargs = (dict(do_sample=True, num_return_sequences=2, max_new_tokens=6) if mode == "sample" else
+              dict(num_beams=2, num_return_sequences=2, max_new_tokens=6))
+    torch.manual_seed(0)
+    ref = model.generate(ids, attention_mask=mask, **kwargs)
+    pool = PagePool.from_model(model, max_tokens=4096, page_size=4)  # (pages smaller than the prompts)
+    _generate(model, base, base_mask, pool=pool, max_new_tokens=1)  # caches the prompts' pages
+    torch.manual_seed(0)
+    assert torch.equal(_generate(model, ids, mask, pool=pool, **kwargs), ref)
+    assert pool.stats()["prefix_hit_tokens"] > 0 and spy["packed"] == 2
+
+
 def test_bad_chunk_size_is_refused():
     model = tiny_model("llama")
     for bad in (0, -3, 2.5, True):
