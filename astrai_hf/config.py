@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -243,6 +244,22 @@ def rope_depends_on_length(config) -> bool:
 # id(config) -> the attention implementation a config selects outside the paged forward under way, which switched
 # it to paged attention (see patch.paged_attention_on); kept off the config, which a hook may save or copy meanwhile
 OWN_ATTENTION: dict[int, str] = {}
+
+
+@functools.cache
+def sdpa_refuses_softcap() -> bool:
+    """Whether this transformers' sdpa attention raises ValueError for an attention logit softcap (from 5.24),
+    rather than ignore it; found by calling it once on a one-element query."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q = torch.zeros(1, 1, 1, 1)
+    try:
+        sdpa_attention_forward(torch.nn.Module(), q, q, q, None, softcap=1.0)
+    except ValueError as e:
+        return "softcap" in str(e)
+    except Exception:  # (a release whose sdpa wants more of the module: it got past the softcap)
+        return False
+    return False
 
 
 def attention_drops_softcap(config) -> bool:

@@ -17,7 +17,7 @@ NOTES = {
     "qwen2": "sliding-window layers",
     "mistral": "sliding window",
     "phi3": "sliding window",
-    "gemma2": "alternating sliding/full layers, attention logit softcap (dropped under sdpa, as stock sdpa drops it: the default before transformers 5.24)",
+    "gemma2": "alternating sliding/full layers, attention logit softcap (dropped under sdpa, as stock sdpa drops it: the default before transformers 5.24; from 5.24 sdpa refuses it, as stock's does)",
     "gemma3": "sliding/full layers",
     "gpt_neox": "calls `update()` without kwargs: unpatched, pass the mask to `PagedCache` so padding is not stored",
     "falcon": "before transformers 5.25 attention bypasses `AttentionInterface`: `patch()` raises "

@@ -175,6 +175,33 @@ def test_gemma2_with_large_attention_logits_equals_stock_under_its_attention(imp
     assert pool.stats()["num_used_pages"] == 0
 
 
+@pytest.mark.parametrize("when", ["before patch()", "after patch()"])
+def test_gemma2_set_to_sdpa_by_hand_does_as_stock_with_its_softcap(when):
+    # set_attn_implementation("sdpa") refuses Gemma 2 from transformers 5.24, whose sdpa raises for a softcap; a
+    # config set by hand reached it: stock raised, paged attention dropped the softcap and ran
+    from astrai_hf.config import sdpa_refuses_softcap
+
+    stock, model = _gemma2_past_its_softcap("eager"), _gemma2_past_its_softcap("eager")
+    ids, mask = left_padded_batch([20, 13], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
+    if when == "before patch()":
+        model.config._attn_implementation = "sdpa"
+    with astrai_hf.patched(model, pool):
+        model.config._attn_implementation = stock.config._attn_implementation = "sdpa"
+        if sdpa_refuses_softcap():
+            with pytest.raises(ValueError, match="softcap"):
+                stock.generate(ids, **kw)
+            with pytest.raises(ValueError, match="softcap.*set_attn_implementation"):
+                model.generate(ids, **kw)
+        else:  # (older releases drop it, stock and paged alike)
+            assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        assert pool.stats()["num_used_pages"] == 0
+        model.config._attn_implementation = stock.config._attn_implementation = "eager"
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+    assert pool.stats()["num_used_pages"] == 0
+
+
 @pytest.mark.parametrize("kept", ["prefix cache", "decode graphs"])
 def test_gemma2_switched_from_sdpa_to_eager_computes_nothing_from_before_the_switch(kept, monkeypatch):
     # under sdpa the softcap is dropped, so K/V and captured graphs of before a set_attn_implementation("eager") are

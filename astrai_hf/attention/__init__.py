@@ -12,7 +12,7 @@ import functools
 import torch
 from transformers import AttentionInterface
 
-from ..config import attention_drops_softcap
+from ..config import attention_drops_softcap, sdpa_refuses_softcap
 from .reference import packed_paged_attention, paged_attention
 
 ATTENTION_NAME = "astrai_paged"
@@ -109,6 +109,7 @@ def paged_attention_forward(
     Raises:
         RuntimeError: called outside a patched forward with a PagedCache.
         NotImplementedError: the model passes an attention feature paged attention does not implement.
+        ValueError: the model passes a softcap and its config selects sdpa, which refuses it in this transformers.
     """
     ref = getattr(module, "_astrai_patch_state", None)  # a weak reference to the patch state (see patch.py)
     state = ref() if ref is not None else None
@@ -123,6 +124,10 @@ def paged_attention_forward(
             raise NotImplementedError(f"{type(module).__name__} passes `{name}`, which paged attention does not implement")
     layer = module.layer_idx
     if softcap is not None and attention_drops_softcap(getattr(module, "config", None)):
+        if sdpa_refuses_softcap():  # (a config set to sdpa by hand: set_attn_implementation refuses it)
+            raise ValueError(f"{type(module).__name__} passes an attention logit softcap, which transformers' sdpa "
+                             "attention, selected by its config, does not support (stock raises too); select 'eager' "
+                             "with model.set_attn_implementation('eager')")
         softcap = None  # (stock's sdpa ignores it)
     if state.windows:  # the module's window is stale: its config was edited since the model was built
         sliding_window = state.windows.get(id(module), sliding_window)
