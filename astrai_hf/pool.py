@@ -665,14 +665,17 @@ def attention_modules(model: torch.nn.Module, every_copy: bool = False) -> list[
 
 def attention_modules_in_place(model: torch.nn.Module) -> tuple[list[torch.nn.Module], bool]:
     """``attention_modules(model, every_copy=True)``, and whether the modules come in another order than their
-    ``layer_idx`` in the model (layers reordered without renumbering), in one walk of the model."""
-    found = _attention_by_layer_idx(model)
+    ``layer_idx`` in the model (layers reordered without renumbering) or one of them in two places (a layer
+    repeated in the list), in one walk of the model."""
+    repeated: list = []
+    found = _attention_by_layer_idx(model, repeated)
     order = list(found)
-    return [m for i in sorted(found) for m in found[i]], order != sorted(order)
+    return [m for i in sorted(found) for m in found[i]], order != sorted(order) or bool(repeated)
 
 
-def _attention_by_layer_idx(model: torch.nn.Module) -> dict[int, list]:
-    """The modules :func:`attention_modules` finds, by ``layer_idx``, in the order the model holds them."""
+def _attention_by_layer_idx(model: torch.nn.Module, repeated: list | None = None) -> dict[int, list]:
+    """The modules :func:`attention_modules` finds, by ``layer_idx``, in the order the model holds them, each once;
+    ``repeated``, where given, gets each module met again in another place."""
     root = model
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
@@ -683,12 +686,18 @@ def _attention_by_layer_idx(model: torch.nn.Module) -> dict[int, list]:
         if isinstance(decoder, torch.nn.Module):
             root = decoder
     found: dict[int, list] = {}
-    for module in root.modules():
+    seen: set[int] = set()
+    for _, module in root.named_modules(remove_duplicate=False):
         idx = getattr(module, "layer_idx", None)
         if not isinstance(idx, int):
             continue
         names = [k.__name__ for k in type(module).__mro__]  # a subclass of yours is named as it likes
         if any("Attention" in n for n in names) and "Cross" not in type(module).__name__:
+            if id(module) in seen:
+                if repeated is not None:
+                    repeated.append(module)
+                continue
+            seen.add(id(module))
             found.setdefault(idx, []).append(module)
     return found
 
@@ -740,6 +749,9 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
                 f"({', '.join(other)}): their cache holds more than each token's K/V (an indexer's keys, "
                 "compressed blocks)")
     layer_list = _attention_layer_list(model)
+    repeated = _repeated_attention(model, layer_list)
+    if repeated is not None:
+        return repeated
     present = len(layer_list) if layer_list is not None else None
     if found and not other and isinstance(layers, int) and found != list(range(layers)) and present:
         where = f"{present} layers hold self-attention modules of layer_idx {found}"
@@ -767,6 +779,24 @@ def _attention_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
         if isinstance(module, torch.nn.ModuleList) and len(module) and all(
                 any(id(m) in attention for m in layer.modules()) for layer in module):
             return module
+    return None
+
+
+def _repeated_attention(model: torch.nn.Module, layers: torch.nn.ModuleList | None) -> str | None:
+    """Why a model whose list of layers holds one attention module in two places (a layer repeated by reference,
+    as layer-repeat experiments build) cannot be served, or None: both places would store their K/V as the one
+    ``layer_idx`` the module carries (stock's cache breaks on it too)."""
+    if layers is None:
+        return None
+    attention = {id(m) for m in attention_modules(model, every_copy=True)}
+    first: dict[int, int] = {}
+    for place, layer in enumerate(layers):
+        for m in layer.modules():
+            if id(m) in attention and first.setdefault(id(m), place) != place:
+                return (f"its layers {first[id(m)]} and {place} hold one attention module (a layer repeated in the "
+                        "list by reference), whose K/V both would store as layer_idx "
+                        f"{m.layer_idx}; give each place a copy of its own (copy.deepcopy) and set each attention "
+                        "module's layer_idx to its place")
     return None
 
 

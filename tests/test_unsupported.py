@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import warnings
 
 import pytest
@@ -716,6 +717,42 @@ def test_layers_removed_without_updating_the_config_are_refused_saying_so(keep):
     ref = model.generate(ids, **kw)
     with astrai_hf.patched(model, max_tokens=256, page_size=4) as patched:
         assert torch.equal(patched.generate(ids, **kw), ref)
+
+
+@pytest.mark.parametrize("config_updated", [True, False])
+@pytest.mark.parametrize("when", ["before patch()", "after patch()"])
+def test_a_layer_repeated_by_reference_is_refused_saying_so(config_updated, when):
+    # layer-repeat experiments put one layer module in two places: both store their K/V as its one layer_idx (stock's
+    # cache breaks on it too); after patch() the walk of the modules met it once, and the call failed deep inside
+    # with "the cache holds 3 rows but the input has 1"
+    from tiny_models import left_padded_batch, tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=4)
+
+    def repeat():
+        layers = model.model.layers
+        model.model.layers = torch.nn.ModuleList([layers[0], layers[1], layers[1], layers[2], layers[3]])
+        if config_updated:
+            model.config.num_hidden_layers = 5
+
+    ids, mask = left_padded_batch([3, 7, 5], seed=1)
+    message = (r"its layers 1 and 2 hold one attention module \(a layer repeated in the list by reference\), whose K/V "
+               r"both would store as layer_idx 1; give each place a copy of its own \(copy.deepcopy\)")
+    if when == "before patch()":
+        repeat()
+        with pytest.raises(NotImplementedError, match=message):
+            astrai_hf.patch(model, max_tokens=512, page_size=4)
+        assert not astrai_hf.is_patched(model)
+        return
+    astrai_hf.patch(model, max_tokens=512, page_size=4)
+    try:
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        repeat()
+        with pytest.raises(NotImplementedError, match=re.escape("(it changed since patch()): ") + message):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+    finally:
+        astrai_hf.unpatch(model)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "qwen2", "llama"])
