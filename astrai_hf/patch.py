@@ -1043,7 +1043,7 @@ def _wrap_forward(owner, forward, state: PatchState):
         if not cache.made_by_generate and not cache._first_step_planned and not synced:
             # a cache of the caller's starts: the config may have changed since the last call, and a module's dropout
             # or gradient checkpointing been switched on
-            _sync_windows(state)
+            _sync_windows(model, state)
             state.watched = watched_modules(model)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
@@ -1960,12 +1960,12 @@ def _sync_modules(model, state: PatchState) -> None:
         _attach_modules(model, state, modules)
         _close_runners(state)  # captured over the modules that left
         logger.info("%s: its attention modules changed since patch(); patched the new ones", type(model).__name__)
-    _sync_windows(state, modules)
+    _sync_windows(model, state, modules)
 
 
-def _sync_windows(state: PatchState, modules=None) -> None:
+def _sync_windows(model, state: PatchState, modules=None) -> None:
     """Read again the sliding window each attention module's config gives (see :func:`_config_windows`)."""
-    windows = _config_windows(state.modules if modules is None else modules)
+    windows = _config_windows(model, state.modules if modules is None else modules)
     if windows != state.windows:
         _close_runners(state)  # captured with the windows of before
         state.windows = windows
@@ -1977,21 +1977,33 @@ def _close_runners(state: PatchState) -> None:
     state.runners.clear()
 
 
-def _config_windows(modules) -> dict[int, int | None]:
-    """The sliding window of each attention module whose window no longer agrees with its config, by
-    ``id(module)``: the window stock sdpa and eager attention apply through the mask the model's forward builds
-    from ``config.sliding_window`` (for the layers ``config.layer_types`` names ``sliding_attention``, or for every
-    layer in a config without layer types), where the module hands the attention function a window its
-    ``__init__`` copied from the config (Qwen2, Gemma 2 and 3, EXAONE 4, Qwen3-MoE, AFMoE, Laguna and their kin)
-    and the config was edited since, or the attribute was set by hand. Modules that read the config at each
-    forward (Mistral) are never listed."""
+def _config_windows(model, modules) -> dict[int, int | None]:
+    """The sliding window of each attention module whose window no longer agrees with the config stock masks it
+    by, by ``id(module)``: the window stock sdpa and eager attention apply through the mask the forward of the
+    model holding the list of layers builds from its ``config.sliding_window`` (for the places its
+    ``config.layer_types`` names ``sliding_attention``, or for every layer in a config without layer types), where
+
+    - the module hands the attention function a window its ``__init__`` copied from its config (Qwen2, Gemma 2
+      and 3, EXAONE 4, Qwen3-MoE, AFMoE, Laguna and their kin), and the config was edited since, or the attribute
+      was set by hand, or the module keeps a config of its own (a layer deep-copied, or taken from another model);
+    - the module reads ``sliding_window`` from its config at each forward (Mistral), and that config is one of its
+      own that gives another window than the model's."""
+    places = _mask_places(model)
     windows = {}
     for m in modules:
-        copied = _window_copied_from_config(type(m))
         config, index = getattr(m, "config", None), getattr(m, "layer_idx", None)
-        if copied is None or config is None or not isinstance(index, int):
+        mask_config, index = places.get(id(m), (config, index))
+        if config is None or mask_config is None or not isinstance(index, int):
+            continue
+        copied = _window_copied_from_config(type(m))
+        if copied is None:
+            if mask_config is not config and _window_read_from_config(type(m)):
+                window = getattr(mask_config, "sliding_window", None)
+                if window != getattr(config, "sliding_window", None):
+                    windows[id(m)] = window
             continue
         by_layer_type, flag = copied
+        config = mask_config
         types = getattr(config, "layer_types", None)
         if by_layer_type != isinstance(types, (list, tuple)) or (by_layer_type and not 0 <= index < len(types)):
             continue  # (a window for every layer, in a config that has layer types: unknown ground)
@@ -2004,6 +2016,44 @@ def _config_windows(modules) -> dict[int, int | None]:
         if window != passed:
             windows[id(m)] = window
     return windows
+
+
+def _mask_places(model) -> dict[int, tuple]:
+    """``(config, place)`` of each module inside a model's list of layers, by ``id(module)``: the config of the
+    module holding the list (``layers``), whose forward builds the masks, and the layer's place in the list, which
+    picks its kind from ``config.layer_types`` there (transformers' decoders). A layer deep-copied or taken from
+    another model keeps a config of its own, which stock's masks do not read."""
+    places = {}
+    for owner in model.modules():
+        layers, config = owner._modules.get("layers"), vars(owner).get("config")
+        if not isinstance(layers, torch.nn.ModuleList) or config is None:
+            continue
+        for place, layer in enumerate(layers):
+            for m in layer.modules():
+                places.setdefault(id(m), (config, place))
+    return places
+
+
+@functools.cache
+def _window_read_from_config(cls: type) -> bool:
+    """Whether ``cls``'s forward hands the attention function ``sliding_window=getattr(self.config,
+    "sliding_window", ...)`` or ``self.config.sliding_window`` in every call (Mistral)."""
+    found = _attention_calls(cls)
+    calls = [c for _, cs in found or () for c in cs if not _is_super_forward(c)]
+
+    def self_config(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, ast.Name)
+                and node.value.id == "self")
+
+    def reads(node) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr == "sliding_window" and self_config(node.value)
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and self_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value == "sliding_window")
+
+    args = [k.value for c in calls for k in c.keywords if k.arg == "sliding_window"]
+    return bool(calls) and len(args) == len(calls) and all(reads(a) for a in args)
 
 
 def _own_init(cls: type):

@@ -1494,6 +1494,52 @@ def test_a_window_copied_by_the_attention_modules_follows_a_config_edited_since(
     assert torch.equal(out, ref) and torch.equal(mine, ref)
 
 
+def _repeat_a_layer_as_a_copy(model):
+    """Layer 1 again, deep-copied, after it (as layer-repeat experiments build): renumbered, the config updated."""
+    layers = list(model.model.layers)
+    layers.insert(2, copy.deepcopy(layers[1]))
+    for i, layer in enumerate(layers):
+        layer.self_attn.layer_idx = i
+    model.model.layers = torch.nn.ModuleList(layers)
+    model.config.num_hidden_layers = len(layers)
+    types = getattr(model.config, "layer_types", None)
+    if types is not None:
+        model.config.layer_types = [*types[:2], types[1], *types[2:]]
+
+
+def _a_layer_from_another_model(model):
+    """A sliding layer taken from a model of the same weights whose config gives another window."""
+    place = next(i for i, t in enumerate(getattr(model.config, "layer_types", None) or ["sliding_attention"])
+                 if t == "sliding_attention")
+    donor = tiny_model(model.config.model_type, sliding_window=2)
+    model.model.layers[place] = copy.deepcopy(donor.model.layers[place])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "mistral"])
+@pytest.mark.parametrize("change", [_repeat_a_layer_as_a_copy, _a_layer_from_another_model],
+                         ids=["repeated-as-a-copy", "from-another-model"])
+@pytest.mark.parametrize("before_patch", [False, True], ids=["after-patch", "before-patch"])
+def test_layers_with_a_config_of_their_own_are_masked_by_the_models(arch, change, before_patch):
+    # a deep-copied layer keeps a copy of the config (its layer_types of before, another model's window): stock
+    # masks each place by the config of the model holding the layers; paged attention had taken the window of the
+    # module's own config (a full-attention place given a window, a sliding one the donor's), and tokens differed
+    kw_model = dict(num_hidden_layers=4, **({"max_window_layers": 2} if arch == "qwen2" else {}))
+    model, twin = tiny_model(arch, **kw_model), tiny_model(arch, **kw_model)
+    ids, mask = left_padded_batch([3, 9, 6], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    change(twin)
+    want = twin.generate(ids, **kw)
+    if before_patch:
+        change(model)
+    with astrai_hf.patched(model, max_tokens=2048, page_size=4):
+        if not before_patch:
+            model.generate(ids, **kw)
+            change(model)
+        for _ in range(2):  # (the second from the prefix cache)
+            assert torch.equal(model.generate(ids, **kw), want)
+        assert _used(astrai_hf.get_pool(model)) == 0
+
+
 def test_a_window_copied_by_an_init_a_class_decorator_wrapped_follows_a_config_edited_since():
     # with the kernels package installed (transformers 5.25 installs it), use_kernelized_func wraps the attention
     # class's __init__ in a function of its own (no functools.wraps): the window copied in the __init__ it calls
