@@ -1449,6 +1449,11 @@ def _wrap_generate(owner, generate, state: PatchState):
                     return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
                 if held.embeds is not None:  # (another batch or mask, beams, no cache: what stock does, on its cache)
                     return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
+            if held is not None and _other_inputs(kwargs) and _extends_held_columns(held, args, kwargs, config):
+                # images (audio, ...) fed with a prompt that extends the earlier call's tokens: stock computes the
+                # later columns alone, on its cache of the earlier ones, whose placeholder ids (typed or generated)
+                # were fed no image then and take none now; run from scratch they would (too many placeholders)
+                return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
             width = _columns_after_held(held, args, kwargs, config, returned.returned_len)

@@ -388,3 +388,45 @@ def test_a_batch_served_from_the_prefix_cache_after_a_smaller_batch_gets_positio
     for x, ref in zip((a, b), stock):
         assert torch.equal(model.generate(x, attention_mask=torch.ones_like(x), **kw), ref)
     assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] > 0
+
+
+def _chat_turns_text_image_text(model, family):
+    """Three turns, each given the cache the turn before returned: text (holding the image placeholder id as
+    text, as a typed "<image>" or a generated one would), then text with an image, then text; the new tokens of
+    the second and third."""
+    g = torch.Generator().manual_seed(3)
+    first = torch.tensor([[1, 59, IMG if family == "llava" else 60, 46, 83, 82]])
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    types = {"gemma3": "token_type_ids", "qwen2_vl": "mm_token_type_ids"}.get(family)
+
+    def call(ids, cache=None, **image):
+        extra = {types: (ids == IMG).long() * bool(image)} if types else {}
+        given = {} if cache is None else {astrai_hf.cache_kwarg(model): cache}
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **image, **extra, **given)
+        return out, getattr(out, astrai_hf.cache_kwarg(model))
+
+    out, cache = call(first)
+    start, end = {"gemma3": (93, 94), "qwen2_vl": (92, 93)}.get(family, (10, 11))
+    ids = torch.cat([out.sequences, torch.tensor([[4, 81, start] + [IMG] * 4 + [end, 24, 45]])], 1)
+    if family == "qwen2_vl":
+        image = dict(pixel_values=torch.randn(16, 1176, generator=g), image_grid_thw=torch.tensor([[1, 4, 4]]))
+    else:
+        image = dict(pixel_values=torch.randn(1, 3, 28, 28, generator=g))
+    second, cache = call(ids, cache, **image)
+    third, _ = call(torch.cat([second.sequences, torch.tensor([[7, 8, 9]])], 1), cache)
+    return second.sequences[:, -5:], third.sequences[:, -5:]
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_vl"])
+def test_an_image_turn_given_a_text_turns_cache_continues_it_as_stock(family):
+    # stock computes the image turn's new columns alone on its cache of the text turn's; a patched call ran it from
+    # scratch (images run stock generate()), which counted the text turn's placeholder id as an image's (LLaVA:
+    # "Image features and image tokens do not match"), and on 5.17 gave other tokens than stock's continuation
+    build = {"llava": _llava, "gemma3": _gemma3_multimodal, "qwen2_vl": _qwen2_vl}[family]
+    want = _chat_turns_text_image_text(build(), family)
+    model = build()
+    astrai_hf.patch(model, max_tokens=1024, page_size=4)
+    got = _chat_turns_text_image_text(model, family)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
