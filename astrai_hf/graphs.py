@@ -455,38 +455,11 @@ class DecodeGraphRunner:
         # ones its kernels run on (a replay sets the device it was captured on by itself)
         try:
             with on_device(self.device):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
-                    warm = self._forward(bucket, cache, kwargs, state, gstep)
-                torch.cuda.current_stream().wait_stream(side)
-                self._check_outputs(warm, bucket)
-                if self._mempool is None:
-                    self._mempool = torch.cuda.graph_pool_handle()
-                if self._capture_stream is None:
-                    # (torch's default capture stream is one per process, made on the device current at the first
-                    # capture: a model on another device would capture nothing on it, its kernels launched eagerly)
-                    self._capture_stream = torch.cuda.Stream()
-                graph = torch.cuda.CUDAGraph()
                 before = torch.cuda.current_stream()
                 try:
-                    # thread_local: a CUDA call another thread makes meanwhile (a model on a pool of its own, in its
-                    # own generate()) neither fails nor breaks this capture (as torch.compile's graphs capture)
-                    with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream,
-                                          capture_error_mode="thread_local"):
-                        try:
-                            static_out = self._forward(bucket, cache, kwargs, state, gstep)
-                        except BaseException as inner:
-                            if not isinstance(inner, Exception):  # Ctrl-C, SystemExit: the caller's
-                                interrupted = inner
-                            raise
-                    for name in ("cache", "past_key_values"):  # (each replay hands back the step's own cache; the
-                        if static_out.get(name) is not None:  # capture's would keep its pool alive)
-                            static_out[name] = None
-                except RuntimeError as e:  # (torch's AcceleratorError is one too)
-                    if interrupted is None:
-                        self._refused(bucket, e, before)
-                except BaseException:  # a Ctrl-C as the capture ends, before torch's context set the stream back
+                    graph, static_out, interrupted = self._warm_up_and_capture(bucket, cache, kwargs, state, gstep,
+                                                                               before)
+                except BaseException:  # (a Ctrl-C as a stream context ends, before it set the caller's stream back)
                     torch.cuda.set_stream(before)
                     raise
                 if interrupted is not None:  # ending the capture failed on it: no refusal of CUDA's
@@ -501,6 +474,44 @@ class DecodeGraphRunner:
         self.capture_seconds[bucket] = time.perf_counter() - start
         logger.info("decode runner: captured bucket %d in %.3f s", bucket, self.capture_seconds[bucket])
         return graph, static_out, gstep
+
+    def _warm_up_and_capture(self, bucket: int, cache, kwargs: dict, state, gstep, before):
+        """A warm-up forward on a side stream, then the capture: ``(graph, static outputs, interrupt)``, the last a
+        Ctrl-C (or SystemExit) that stopped the capture, for the caller to raise once CUDA's error is handled."""
+        side = torch.cuda.Stream()
+        side.wait_stream(before)
+        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS handles)
+            warm = self._forward(bucket, cache, kwargs, state, gstep)
+        before.wait_stream(side)
+        self._check_outputs(warm, bucket)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            # (torch's default capture stream is one per process, made on the device current at the first
+            # capture: a model on another device would capture nothing on it, its kernels launched eagerly)
+            self._capture_stream = torch.cuda.Stream()
+        graph, static_out, interrupted = torch.cuda.CUDAGraph(), None, None
+        try:
+            # thread_local: a CUDA call another thread makes meanwhile (a model on a pool of its own, in its own
+            # generate()) neither fails nor breaks this capture (as torch.compile's graphs capture)
+            with torch.cuda.graph(graph, pool=self._mempool, stream=self._capture_stream,
+                                  capture_error_mode="thread_local"):
+                try:
+                    static_out = self._forward(bucket, cache, kwargs, state, gstep)
+                except BaseException as inner:
+                    if not isinstance(inner, Exception):  # Ctrl-C, SystemExit: the caller's
+                        interrupted = inner
+                    raise
+            for name in ("cache", "past_key_values"):  # (each replay hands back the step's own cache; the
+                if static_out.get(name) is not None:  # capture's would keep its pool alive)
+                    static_out[name] = None
+        except RuntimeError as e:  # (torch's AcceleratorError is one too)
+            if interrupted is None:
+                self._refused(bucket, e, before)
+        try:
+            return graph, static_out, interrupted
+        finally:
+            interrupted = None  # (held by the traceback's frame, it would make a cycle keeping the model and pool)
 
     def _note_layout(self, model) -> None:
         """Take what the graphs hold fixed (checked by :meth:`still_fits` before later calls) at the first capture,

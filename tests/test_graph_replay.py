@@ -340,6 +340,33 @@ def test_a_ctrl_c_while_a_capture_ends_leaves_the_callers_stream_current(capture
         assert runner.uncapturable is None and runner.captured == [4] and runner.replays == 5
 
 
+def test_a_ctrl_c_as_the_warm_up_stream_is_left_leaves_the_callers_stream_current(captured, monkeypatch):
+    # the warm-up before a capture runs on a side stream; an interrupt inside its context's exit, before that set
+    # the caller's stream again, left the side stream current
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 2, 6], seed=7)
+    kw = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    want = tiny_model("llama").generate(ids, **kw)
+    stream_context, armed = torch.cuda.stream, [True]
+
+    class interrupted_exit(stream_context):
+        def __exit__(self, *exc):
+            if armed[0] and exc[0] is None:
+                armed[0] = False
+                raise KeyboardInterrupt
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(torch.cuda, "stream", interrupted_exit)
+    stream = torch.cuda.current_stream()
+    with _patched(model):
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(ids, **kw)
+        assert torch.cuda.current_stream() is stream
+        assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+        assert torch.equal(model.generate(ids, **kw), want)
+        assert torch.cuda.current_stream() is stream
+
+
 def test_a_model_whose_capture_a_ctrl_c_stopped_is_freed_when_deleted(captured):
     # the interrupt, kept in a local of the capture's frame to be raised after the capture ended, was held by the
     # traceback through that frame: a cycle that kept the model and its pool until the garbage collector ran
