@@ -61,6 +61,9 @@ class PatchState:
     watched: WatchedModules = field(default_factory=lambda: WatchedModules([], [], []))
     # id(attention module) -> the sliding window its config gives, where the module's own attribute disagrees
     windows: dict = field(default_factory=dict)
+    # id(attention module) -> (weak reference to the module holding its list of layers, the layer's place there),
+    # found again when the modules change (see _mask_places)
+    mask_places: dict | None = None
     # the sizing patch() built the default pool with (None: the caller gave the pool); such a pool is rebuilt when
     # the model is moved to another dtype or device
     own_pool_kwargs: dict | None = None
@@ -1965,12 +1968,17 @@ def _sync_modules(model, state: PatchState) -> None:
         _attach_modules(model, state, modules)
         _close_runners(state)  # captured over the modules that left
         logger.info("%s: its attention modules changed since patch(); patched the new ones", type(model).__name__)
+    if changed or reordered:
+        state.mask_places = None
     _sync_windows(model, state, modules)
 
 
 def _sync_windows(model, state: PatchState, modules=None) -> None:
     """Read again the sliding window each attention module's config gives (see :func:`_config_windows`)."""
-    windows = _config_windows(model, state.modules if modules is None else modules)
+    modules = state.modules if modules is None else modules
+    if state.mask_places is None:
+        state.mask_places = _mask_places(model, modules)
+    windows = _config_windows(state.mask_places, modules)
     if windows != state.windows:
         _close_runners(state)  # captured with the windows of before
         state.windows = windows
@@ -1982,7 +1990,7 @@ def _close_runners(state: PatchState) -> None:
     state.runners.clear()
 
 
-def _config_windows(model, modules) -> dict[int, int | None]:
+def _config_windows(places: dict, modules) -> dict[int, int | None]:
     """The sliding window of each attention module whose window no longer agrees with the config stock masks it
     by, by ``id(module)``: the window stock sdpa and eager attention apply through the mask the forward of the
     model holding the list of layers builds from its ``config.sliding_window`` (for the places its
@@ -1992,12 +2000,15 @@ def _config_windows(model, modules) -> dict[int, int | None]:
       and 3, EXAONE 4, Qwen3-MoE, AFMoE, Laguna and their kin), and the config was edited since, or the attribute
       was set by hand, or the module keeps a config of its own (a layer deep-copied, or taken from another model);
     - the module reads ``sliding_window`` from its config at each forward (Mistral), and that config is one of its
-      own that gives another window than the model's."""
-    places = _mask_places(model)
+      own that gives another window than the model's.
+
+    ``places``: :func:`_mask_places` of the model."""
     windows = {}
     for m in modules:
         config, index = getattr(m, "config", None), getattr(m, "layer_idx", None)
-        mask_config, index = places.get(id(m), (config, index))
+        owner, index = places.get(id(m), (None, index))
+        owner = owner() if owner is not None else None
+        mask_config = vars(owner).get("config") if owner is not None else config
         if config is None or mask_config is None or not isinstance(index, int):
             continue
         copied = _window_copied_from_config(type(m))
@@ -2023,19 +2034,22 @@ def _config_windows(model, modules) -> dict[int, int | None]:
     return windows
 
 
-def _mask_places(model) -> dict[int, tuple]:
-    """``(config, place)`` of each module inside a model's list of layers, by ``id(module)``: the config of the
-    module holding the list (``layers``), whose forward builds the masks, and the layer's place in the list, which
-    picks its kind from ``config.layer_types`` there (transformers' decoders). A layer deep-copied or taken from
-    another model keeps a config of its own, which stock's masks do not read."""
-    places = {}
+def _mask_places(model, modules) -> dict[int, tuple]:
+    """``(owner, place)`` of each of the attention ``modules`` inside a list of ``model``'s layers, by
+    ``id(module)``: a weak reference to the module holding the list (``layers``) and a ``config``, whose forward
+    builds the masks from that config, and the layer's place in the list, which picks its kind from
+    ``config.layer_types`` there (transformers' decoders). A layer deep-copied or taken from another model keeps a
+    config of its own, which stock's masks do not read."""
+    attention, places = {id(m) for m in modules}, {}
     for owner in model.modules():
-        layers, config = owner._modules.get("layers"), vars(owner).get("config")
-        if not isinstance(layers, torch.nn.ModuleList) or config is None:
+        layers = owner._modules.get("layers")
+        if not isinstance(layers, torch.nn.ModuleList) or vars(owner).get("config") is None:
             continue
+        ref = weakref.ref(owner)
         for place, layer in enumerate(layers):
             for m in layer.modules():
-                places.setdefault(id(m), (config, place))
+                if id(m) in attention:
+                    places.setdefault(id(m), (ref, place))
     return places
 
 
