@@ -1223,7 +1223,8 @@ def watched_modules(model: torch.nn.Module) -> WatchedModules:
                 dropout.append(m)
         elif any("dropout" in name and type(value) in (float, int) and value > 0 for name, value in vars(m).items()):
             dropout.append(m)
-        if getattr(m, "gradient_checkpointing", False) is True:
+        # (read from the instance, then its class: a module's getattr of a missing name raises inside, per module)
+        if vars(m).get("gradient_checkpointing", getattr(type(m), "gradient_checkpointing", False)) is True:
             checkpointing.append(m)
     return WatchedModules(dropout, checkpointing, mask_checks)
 
@@ -1444,6 +1445,11 @@ def _wrap_generate(owner, generate, state: PatchState):
                     width = _columns_after_held(None, args, kwargs, config, returned.returned_len)
                 out = _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
                 return out if width is None else _first_step_outputs_cut(out, width)
+            if held is not None and _other_inputs(kwargs):
+                # images (audio, ...): stock computes the columns after its cache's alone, on its cache of the
+                # earlier call's tokens, whose placeholder ids (typed or generated) were fed no image then and take
+                # none now; run from scratch they would (too many placeholders). Stock's cache, continued stock
+                return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
             if held is not None and (held.embeds is not None or _fed_embeds(kwargs)) and not _candidate_decoding(
                     kwargs, config):
                 # columns computed from embeddings (no token id stands for them), or embeddings fed for columns the
@@ -1452,11 +1458,6 @@ def _wrap_generate(owner, generate, state: PatchState):
                     return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
                 if held.embeds is not None:  # (another batch or mask, beams, no cache: what stock does, on its cache)
                     return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
-            if held is not None and _other_inputs(kwargs) and _extends_held_columns(held, args, kwargs, config):
-                # images (audio, ...) fed with a prompt that extends the earlier call's tokens: stock computes the
-                # later columns alone, on its cache of the earlier ones, whose placeholder ids (typed or generated)
-                # were fed no image then and take none now; run from scratch they would (too many placeholders)
-                return _continue_held_tokens_stock(model, state, held, generate, args, kwargs, config, returned)
             if held is not None and _continues_other_tokens(held, args, kwargs, config):
                 return _continue_held_tokens(model, state, held, args, kwargs, config, returned)
             width = _columns_after_held(held, args, kwargs, config, returned.returned_len)

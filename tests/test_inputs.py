@@ -430,3 +430,52 @@ def test_an_image_turn_given_a_text_turns_cache_continues_it_as_stock(family):
     got = _chat_turns_text_image_text(model, family)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+
+
+def _repadded_image_turn(model):
+    """Two rows: text (row 0 holding the placeholder id as text), then the chat tokenized again and left-padded
+    otherwise, row 0 with an image, given the cache the first call returned; (the second call's sequences,)."""
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    ids = torch.tensor([[0, 0, 1, 59, IMG, 46], [1, 33, 34, 35, 36, 37]])
+    out = model.generate(ids, attention_mask=(torch.arange(6) >= torch.tensor([[2], [0]])).long(), **kw)
+    rows = [out.sequences[0, 2:].tolist() + [4, 81, 10, IMG, IMG, IMG, IMG, 11, 24, 45],
+            out.sequences[1].tolist() + [4, 82, 3, 3, 3, 3, 3, 3, 25, 46, 9, 9]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    image = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(3))
+    cache = {astrai_hf.cache_kwarg(model): getattr(out, astrai_hf.cache_kwarg(model))}
+    return (model.generate(ids, attention_mask=mask, pixel_values=image, **kw, **cache).sequences,)
+
+
+def _embeds_then_image_then_text(model):
+    """Qwen2-VL: embeddings, then ids with an image, then text, each given the cache the call before returned."""
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    name = astrai_hf.cache_kwarg(model)
+    ids = torch.tensor([[1, 59, 60, 46]])
+    out = model.generate(inputs_embeds=model.get_input_embeddings()(ids).detach(), attention_mask=torch.ones_like(ids),
+                         **kw)
+    seq = torch.cat([ids, out.sequences], 1)
+    ids = torch.cat([seq, torch.tensor([[4, 81, 92, IMG, IMG, IMG, IMG, 93, 24, 45]])], 1)
+    image = dict(pixel_values=torch.randn(16, 1176, generator=torch.Generator().manual_seed(3)),
+                 image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == IMG).long())
+    second = model.generate(ids, attention_mask=torch.ones_like(ids), **image, **kw, **{name: getattr(out, name)})
+    ids = torch.cat([second.sequences, torch.tensor([[7, 8, 9]])], 1)
+    third = model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **{name: getattr(second, name)})
+    return second.sequences, third.sequences
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("flow", ["padded otherwise", "after embeddings"])
+def test_an_image_turn_given_a_returned_cache_that_it_does_not_simply_extend_continues_it_as_stock(flow):
+    # stock computes the columns after its cache's on that cache whatever they hold: padded otherwise, the patched
+    # call had run from scratch and counted the placeholder id in the earlier text as an image's (LLaVA: "Image
+    # features and image tokens do not match"); after a call fed embeddings it had run paged, and the text turn
+    # after it got other tokens than stock's (Qwen2-VL on 5.25)
+    build, run = (_llava, _repadded_image_turn) if flow == "padded otherwise" else (_qwen2_vl, _embeds_then_image_then_text)
+    want = run(build())
+    model = build()
+    astrai_hf.patch(model, max_tokens=1024, page_size=4)
+    got = run(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
