@@ -21,7 +21,7 @@ import torch
 from . import attention, packing
 from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, check_rows_have_tokens,
                     empty_rows, forget_rope_deltas, left_padding)
-from .config import OWN_ATTENTION, KVSpec, as_count, as_flag, rope_depends_on_length
+from .config import OWN_ATTENTION, KVSpec, as_count, as_flag, class_has, rope_depends_on_length
 from .distributed import agree
 from .errors import CacheFullError
 from .graphs import CaptureRefused, DecodeGraphRunner
@@ -1216,15 +1216,20 @@ def watched_modules(model: torch.nn.Module) -> WatchedModules:
     walk a step)."""
     dropout, checkpointing, mask_checks = [], [], []
     for m in model.modules():
-        if hasattr(type(m), packing.PADDING_CHECK):
+        cls, attrs = type(m), vars(m)
+        if class_has(cls, packing.PADDING_CHECK):
             mask_checks.append(weakref.ref(m))
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             if m.p > 0:
                 dropout.append(m)
-        elif any("dropout" in name and type(value) in (float, int) and value > 0 for name, value in vars(m).items()):
+        elif "dropout" in " ".join(attrs) and any(  # (the names joined first: most modules have none)
+                "dropout" in name and type(value) in (float, int) and value > 0 for name, value in attrs.items()):
             dropout.append(m)
         # (read from the instance, then its class: a module's getattr of a missing name raises inside, per module)
-        if vars(m).get("gradient_checkpointing", getattr(type(m), "gradient_checkpointing", False)) is True:
+        flag = attrs.get("gradient_checkpointing")
+        if flag is None and class_has(cls, "gradient_checkpointing"):
+            flag = cls.gradient_checkpointing
+        if flag is True:
             checkpointing.append(m)
     return WatchedModules(dropout, checkpointing, mask_checks)
 
@@ -1895,12 +1900,14 @@ def _dynamically_quantized(model) -> str | None:
     """Why a model with torch's dynamically quantized layers (``torch.ao.quantization.quantize_dynamic``) cannot be
     patched, or None: they scale each input tensor by its own range, so a row's output depends on every value in
     the batch, padding included, and a packed prefill or a prefix hit (other tensors) changes the tokens."""
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    head = None
     for m in model.modules():
-        # the LM head sees the same rows as stock's (each row's last position); float16 "quantization" scales nothing
-        if m is head or getattr(getattr(m, "_packed_params", None), "dtype", None) == torch.float16:
+        if not type(m).__module__.startswith(_DYNAMIC_QUANTIZATION):
             continue
-        if type(m).__module__.startswith(_DYNAMIC_QUANTIZATION):
+        if head is None:
+            head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else False
+        # the LM head sees the same rows as stock's (each row's last position); float16 "quantization" scales nothing
+        if m is not head and getattr(getattr(m, "_packed_params", None), "dtype", None) != torch.float16:
             return (f"{type(m).__name__} (torch dynamic quantization) scales activations per tensor, so a row's "
                     "output depends on the whole batch, padding included, which packed prefill and the prefix cache "
                     "change")
@@ -2065,15 +2072,18 @@ def _window_read_from_config(cls: type) -> bool:
         return (isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, ast.Name)
                 and node.value.id == "self")
 
-    def reads(node) -> bool:
-        if isinstance(node, ast.Attribute):
-            return node.attr == "sliding_window" and self_config(node.value)
-        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                and len(node.args) >= 2 and self_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value == "sliding_window")
-
     args = [k.value for c in calls for k in c.keywords if k.arg == "sliding_window"]
-    return bool(calls) and len(args) == len(calls) and all(reads(a) for a in args)
+    return bool(calls) and len(args) == len(calls) and all(_reads_window(a, self_config) for a in args)
+
+
+def _reads_window(node, is_config) -> bool:
+    """Whether ``node`` reads ``<config>.sliding_window`` or ``getattr(<config>, "sliding_window"[, default])``,
+    ``<config>`` a node ``is_config`` accepts."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "sliding_window" and is_config(node.value)
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and is_config(node.args[0]) and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == "sliding_window")
 
 
 def _own_init(cls: type):
@@ -2127,11 +2137,7 @@ def _window_copied_from_config(cls: type) -> tuple[bool, str | None] | None:
         return None
 
     def config_window(node) -> bool:  # config.sliding_window, getattr(config, "sliding_window"[, default])
-        if isinstance(node, ast.Attribute):
-            return node.attr == "sliding_window" and isinstance(node.value, ast.Name) and node.value.id == "config"
-        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == "config"
-                and isinstance(node.args[1], ast.Constant) and node.args[1].value == "sliding_window")
+        return _reads_window(node, lambda owner: isinstance(owner, ast.Name) and owner.id == "config")
 
     def sliding_test(node) -> bool:
         return any(isinstance(c, ast.Constant) and c.value == "sliding_attention" for c in ast.walk(node))

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from .allocator import PageAllocator
-from .config import KVSpec, PagePoolConfig, as_count, as_flag, as_int, page_bytes_by_device, rope_depends_on_length
+from .config import (KVSpec, PagePoolConfig, as_count, as_flag, as_int, class_has, page_bytes_by_device,
+                     rope_depends_on_length)
 from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
 from .interrupts import interrupts_deferred
@@ -687,12 +688,17 @@ def _attention_by_layer_idx(model: torch.nn.Module, repeated: list | None = None
             root = decoder
     found: dict[int, list] = {}
     seen: set[int] = set()
-    for _, module in root.named_modules(remove_duplicate=False):
-        idx = getattr(module, "layer_idx", None)
+    stack = [root]
+    while stack:  # every module in the order named_modules(remove_duplicate=False) gives, without building names
+        module = stack.pop()
+        stack.extend(reversed([m for m in module._modules.values() if m is not None]))
+        # (from the instance's dict, else its class's: a module's getattr of a missing name raises inside)
+        idx = vars(module).get("layer_idx")
+        if idx is None and class_has(type(module), "layer_idx"):
+            idx = getattr(module, "layer_idx", None)
         if not isinstance(idx, int):
             continue
-        names = [k.__name__ for k in type(module).__mro__]  # a subclass of yours is named as it likes
-        if any("Attention" in n for n in names) and "Cross" not in type(module).__name__:
+        if _self_attention_class(type(module)):
             if id(module) in seen:
                 if repeated is not None:
                     repeated.append(module)
@@ -700,6 +706,19 @@ def _attention_by_layer_idx(model: torch.nn.Module, repeated: list | None = None
             seen.add(id(module))
             found.setdefault(idx, []).append(module)
     return found
+
+
+_SELF_ATTENTION_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> bool
+
+
+def _self_attention_class(cls: type) -> bool:
+    """Whether modules of ``cls`` are self-attention: a class of the name (a subclass of yours is named as it
+    likes, so its bases count), not cross-attention."""
+    known = _SELF_ATTENTION_CLASSES.get(cls)
+    if known is None:
+        known = _SELF_ATTENTION_CLASSES[cls] = (any("Attention" in k.__name__ for k in cls.__mro__)
+                                                and "Cross" not in cls.__name__)
+    return known
 
 
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # of config.layer_types
@@ -748,8 +767,9 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
         return (f"its config.layer_types name layers of a kind paged attention does not serve "
                 f"({', '.join(other)}): their cache holds more than each token's K/V (an indexer's keys, "
                 "compressed blocks)")
-    layer_list = _attention_layer_list(model)
-    repeated = _repeated_attention(model, layer_list)
+    attention = {id(m) for m in attention_modules(model, every_copy=True)}
+    layer_list = _attention_layer_list(model, attention)
+    repeated = _repeated_attention(layer_list, attention)
     if repeated is not None:
         return repeated
     present = len(layer_list) if layer_list is not None else None
@@ -771,10 +791,10 @@ def unsupported_model(model: torch.nn.Module) -> str | None:
     return _state_layers(text) or _kv_geometry(text)
 
 
-def _attention_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+def _attention_layer_list(model: torch.nn.Module, attention: set[int]) -> torch.nn.ModuleList | None:
     """``model``'s list of layers when each of them has self-attention (a model whose layers were removed, added or
-    reordered by hand: a hybrid's list holds layers without it too), else None."""
-    attention = {id(m) for m in attention_modules(model, every_copy=True)}
+    reordered by hand: a hybrid's list holds layers without it too), else None. ``attention``: the ids of the
+    modules ``attention_modules(model, every_copy=True)`` gives."""
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and all(
                 any(id(m) in attention for m in layer.modules()) for layer in module):
@@ -782,13 +802,13 @@ def _attention_layer_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return None
 
 
-def _repeated_attention(model: torch.nn.Module, layers: torch.nn.ModuleList | None) -> str | None:
+def _repeated_attention(layers: torch.nn.ModuleList | None, attention: set[int]) -> str | None:
     """Why a model whose list of layers holds one attention module in two places (a layer repeated by reference,
     as layer-repeat experiments build) cannot be served, or None: both places would store their K/V as the one
-    ``layer_idx`` the module carries (stock's cache breaks on it too)."""
+    ``layer_idx`` the module carries (stock's cache breaks on it too). ``layers``: the model's
+    :func:`_attention_layer_list`; ``attention``: the ids of its attention modules."""
     if layers is None:
         return None
-    attention = {id(m) for m in attention_modules(model, every_copy=True)}
     first: dict[int, int] = {}
     for place, layer in enumerate(layers):
         for m in layer.modules():
