@@ -822,10 +822,15 @@ _BROKEN = {
     "a token id past int64": (lambda t, m: m["index"][0][1].__setitem__(0, 2**63), r"ids 0 to 2\*\*63 - 1"),
     # a file damaged in its K/V bytes (header intact) had loaded and served wrong prefixes
     "damaged K/V bytes": (lambda t, m: t["v.1"][1, 2].add_(0.5), "do not match the digest"),
+    "damaged K bytes of the first layer": (lambda t, m: t["k.0"][0, 0].add_(0.5), "do not match the digest"),
     "a token of the index changed": (lambda t, m: m["index"][1][1].__setitem__(0, m["index"][1][1][0] ^ 1),
                                      "do not match the digest"),
     "a partly filled page with a child": (lambda t, m: m["index"][0].__setitem__(1, m["index"][0][1][:5]),
                                           "only a full page has children"),
+    "a page one token short with a child": (lambda t, m: m["index"][0].__setitem__(1, m["index"][0][1][:PAGE - 1]),
+                                            "only a full page has children"),
+    "an entry of no tokens": (lambda t, m: m["index"][2].__setitem__(1, []), "entry 2 holds 0 tokens"),
+    "an entry that is its own parent": (lambda t, m: m["index"][1].__setitem__(0, 1), "parent must come before"),
     "a fingerprint from before the config was in it": (lambda t, m: m["fingerprint"].pop("config"),
                                                        "saved by an earlier release"),
     "a fingerprint of sampled weights": (lambda t, m: m["fingerprint"].pop("weights_digest"),
@@ -880,15 +885,17 @@ def test_a_load_interrupted_while_copying_unindexes_what_it_placed(llama, tmp_pa
             return getattr(self.f, name)
 
         def get_tensor(self, name):
-            self.reads += 1
-            if self.reads == 3:  # layer 0 copied, layer 1 half
+            reads[name] = reads.get(name, 0) + 1
+            if name == "v.1" and reads[name] == 2:  # read once for the digest; then layer 0 copied, layer 1 half
                 raise KeyboardInterrupt
             return self.f.get_tensor(name)
 
+    reads: dict[str, int] = {}
     monkeypatch.setattr(persist, "safe_open", Failing)
     pool = _pool(llama)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt):  # (unindexing parents before children had raised a ValueError)
         pool.load_prefix_cache(path)
+    assert reads == {"k.0": 2, "v.0": 2, "k.1": 2, "v.1": 2}  # the copy was under way: three pages placed
     assert pool.stats()["prefix_cache_pages"] == 0
     _assert_pool_idle(pool)
     monkeypatch.undo()
@@ -897,9 +904,65 @@ def test_a_load_interrupted_while_copying_unindexes_what_it_placed(llama, tmp_pa
     assert hit == 0 and torch.equal(out, ref)
 
 
-def test_the_same_weights_under_another_rope_config_are_another_model(tmp_path):
+def test_a_load_into_a_pool_with_too_few_free_pages_loads_the_first_and_warns(llama, tmp_path, caplog):
+    path, ids, mask = _saved_file(llama, tmp_path)  # three pages, a chain
+    pool = _pool(llama, max_tokens=8 * PAGE)
+    free = 2
+    held = pool.allocator.alloc(pool.allocator.num_free - free)  # pages in use (another caller's rows)
+    with caplog.at_level("WARNING", logger="astrai_hf"):
+        assert pool.load_prefix_cache(path) == free
+    pool.allocator.decref(held)
+    assert f"loaded {free} of the 3 pages" in caplog.text
+    assert pool.stats()["prefix_cache_pages"] == free
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
+    assert torch.equal(out, ref) and hit == free * PAGE
+    _assert_pool_idle(pool)
+
+
+def test_a_load_after_part_of_the_file_was_cached_copies_each_page_from_its_own_entry(llama, tmp_path):
+    # the K/V of the pages placed had been read from the file's first entries, not from those they were placed for
+    ids, mask = _batch([_tokens(40, seed=31), _tokens(23, seed=32)])
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    saver = _pool(llama)
+    _generate(llama, saver, ids, mask, max_new_tokens=2)
+    path = tmp_path / "p.safetensors"
+    saved = saver.save_prefix_cache(path)
+    pool = _pool(llama)
+    first, first_mask = _batch([_tokens(40, seed=31)])
+    _generate(llama, pool, first, first_mask, max_new_tokens=2)  # the file's first entries, cached already
+    cached = pool.stats()["prefix_cache_pages"]
+    assert 0 < pool.load_prefix_cache(path) == saved - cached
+    out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
+    assert torch.equal(out, ref) and hit == 39 + 22
+    _assert_pool_idle(pool)
+
+
+def test_a_load_after_the_weights_changed_replaces_the_stale_pages(tmp_path):
+    # pages the pool cached under the weights of before had been kept in place of the file's, and dropped as stale
+    # at the next call: nothing of the file served
     a = tiny_model("llama", max_position_embeddings=2048)
-    b = tiny_model("llama", max_position_embeddings=2048, rope_theta=2.0)
+    b = tiny_model("llama", seed=1, max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=18)])
+    path, _, _ = _saved_file(b, tmp_path)
+    pool = _pool(a)
+    _generate(a, pool, ids, mask, max_new_tokens=3)
+    assert pool.stats()["prefix_cache_pages"] == 3
+    with torch.no_grad():
+        a.load_state_dict(b.state_dict())  # in place: a computes b's K/V now
+    assert pool.load_prefix_cache(path) == 3
+    ref = b.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out, hit = _hits(pool, lambda: _generate(a, pool, ids, mask, max_new_tokens=4))
+    assert torch.equal(out, ref) and hit == 39
+    _assert_pool_idle(pool)
+
+
+@pytest.mark.parametrize("field", [{"rope_theta": 2.0}, {"rms_norm_eps": 0.5}, {"hidden_act": "gelu"}],
+                         ids=lambda f: next(iter(f)))
+def test_the_same_weights_under_another_config_are_another_model(tmp_path, field):
+    # (a field the fingerprint skipped would have loaded another config's K/V: other tokens than stock's)
+    a = tiny_model("llama", max_position_embeddings=2048)
+    b = tiny_model("llama", max_position_embeddings=2048, **field)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     ids, mask = _batch([_tokens(40, seed=20)])
     ref_b = b.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
