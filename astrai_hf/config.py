@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -199,21 +198,23 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-# (class, attribute name) -> whether the class has the attribute; weak in the class (a class made at run time)
-_CLASS_ATTRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MISSING = object()
 
 
-def class_has(cls: type, name: str) -> bool:
-    """``hasattr(cls, name)``, remembered per class: a lookup that misses raises and catches an AttributeError
-    inside, some microseconds, and the walks of a model made at each call ask it of every module (900 of a
-    60-layer model)."""
-    known = _CLASS_ATTRS.get(cls)
-    if known is None:
-        known = _CLASS_ATTRS[cls] = {}
-    found = known.get(name)
-    if found is None:
-        found = known[name] = hasattr(cls, name)
-    return found
+def class_attr(cls: type, name: str, default=None):
+    """``getattr(cls, name, default)``, read from the dicts along ``cls``'s MRO: a lookup on the class that misses
+    raises and catches an AttributeError inside (microseconds), and the walks of a model made at each call ask it
+    of every module (900 of a 60-layer model). Not remembered: a class may gain or lose the attribute later."""
+    for k in cls.__mro__:
+        found = k.__dict__.get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+    return default
+
+
+def class_defines(cls: type, name: str) -> bool:
+    """``hasattr(cls, name)`` (see :func:`class_attr`)."""
+    return class_attr(cls, name, _MISSING) is not _MISSING
 
 
 def _collect_rope_types(value, types: set[str]) -> None:

@@ -21,7 +21,8 @@ import torch
 from . import attention, packing
 from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, check_rows_have_tokens,
                     empty_rows, forget_rope_deltas, left_padding)
-from .config import OWN_ATTENTION, KVSpec, as_count, as_flag, class_has, rope_depends_on_length
+from .config import (OWN_ATTENTION, KVSpec, as_count, as_flag, class_attr, class_defines,
+                     rope_depends_on_length)
 from .distributed import agree
 from .errors import CacheFullError
 from .graphs import CaptureRefused, DecodeGraphRunner
@@ -1217,7 +1218,7 @@ def watched_modules(model: torch.nn.Module) -> WatchedModules:
     dropout, checkpointing, mask_checks = [], [], []
     for m in model.modules():
         cls, attrs = type(m), vars(m)
-        if class_has(cls, packing.PADDING_CHECK):
+        if class_defines(cls, packing.PADDING_CHECK):
             mask_checks.append(weakref.ref(m))
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             if m.p > 0:
@@ -1226,10 +1227,7 @@ def watched_modules(model: torch.nn.Module) -> WatchedModules:
                 "dropout" in name and type(value) in (float, int) and value > 0 for name, value in attrs.items()):
             dropout.append(m)
         # (read from the instance, then its class: a module's getattr of a missing name raises inside, per module)
-        flag = attrs.get("gradient_checkpointing")
-        if flag is None and class_has(cls, "gradient_checkpointing"):
-            flag = cls.gradient_checkpointing
-        if flag is True:
+        if attrs.get("gradient_checkpointing", class_attr(cls, "gradient_checkpointing", False)) is True:
             checkpointing.append(m)
     return WatchedModules(dropout, checkpointing, mask_checks)
 

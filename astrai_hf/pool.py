@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from .allocator import PageAllocator
-from .config import (KVSpec, PagePoolConfig, as_count, as_flag, as_int, class_has, page_bytes_by_device,
+from .config import (KVSpec, PagePoolConfig, as_count, as_flag, as_int, class_defines, page_bytes_by_device,
                      rope_depends_on_length)
 from .distributed import RankGroup, agree, kv_heads_per_rank, rank_group
 from .errors import CacheFullError
@@ -692,10 +692,13 @@ def _attention_by_layer_idx(model: torch.nn.Module, repeated: list | None = None
     while stack:  # every module in the order named_modules(remove_duplicate=False) gives, without building names
         module = stack.pop()
         stack.extend(reversed([m for m in module._modules.values() if m is not None]))
-        # (from the instance's dict, else its class's: a module's getattr of a missing name raises inside)
-        idx = vars(module).get("layer_idx")
-        if idx is None and class_has(type(module), "layer_idx"):
+        # (from the instance's dict where nothing else can give it: a module's getattr of a missing name raises
+        # inside; a class's attribute, property or __getattr__ of its own is read as getattr reads it)
+        cls = type(module)
+        if class_defines(cls, "layer_idx") or cls.__getattr__ is not _MODULE_GETATTR:
             idx = getattr(module, "layer_idx", None)
+        else:
+            idx = vars(module).get("layer_idx")
         if not isinstance(idx, int):
             continue
         if _self_attention_class(type(module)):
@@ -708,6 +711,7 @@ def _attention_by_layer_idx(model: torch.nn.Module, repeated: list | None = None
     return found
 
 
+_MODULE_GETATTR = torch.nn.Module.__getattr__
 _SELF_ATTENTION_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> bool
 
 

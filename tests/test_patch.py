@@ -547,3 +547,78 @@ def test_patch_warns_once_on_a_transformers_release_the_suite_does_not_test(vers
     said = [r.getMessage() for r in caplog.records if "outside the releases" in r.getMessage()]
     assert said == ([f"transformers {version} is outside the releases astrai-hf is tested with (5.17 to 5.25): "
                      "outputs may differ from stock transformers'"] if warned else [])
+
+
+# ------------------------------------------------------------------------- the walks of the model made at each call
+def test_a_module_class_gaining_or_losing_an_attribute_between_calls_is_read_as_it_is_now(monkeypatch):
+    # the walks once remembered what each class had: an attribute deleted from a class (a monkeypatch undone)
+    # then raised AttributeError from the next generate(), and one added was not seen
+    import importlib
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    patch_module = importlib.import_module("astrai_hf.patch")  # (astrai_hf.patch is the function)
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 7])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    norms = sum(isinstance(m, LlamaRMSNorm) for m in model.modules())
+    with astrai_hf.patched(model, max_tokens=512):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+        assert patch_module.watched_modules(model).checkpointing == []
+        monkeypatch.setattr(LlamaRMSNorm, "gradient_checkpointing", True, raising=False)
+        assert len(patch_module.watched_modules(model).checkpointing) == norms
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+        monkeypatch.undo()
+        assert patch_module.watched_modules(model).checkpointing == []
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
+
+
+def test_layer_idx_is_read_as_getattr_reads_it():
+    # a property of a subclass (over a stale entry in the instance's dict) and a wrapper forwarding attributes by a
+    # __getattr__ of its own give layer_idx as getattr gives it, and a class gaining layer_idx later is seen
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from astrai_hf.pool import attention_modules, attention_modules_in_place
+
+    class Renumbered(LlamaAttention):
+        @property
+        def layer_idx(self):
+            return self.place
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList([layers[2], layers[0], layers[1]])
+    for place, layer in enumerate(model.model.layers):
+        layer.self_attn.__class__ = Renumbered  # (its dict still holds layer_idx 2, 0, 1)
+        layer.self_attn.place = place
+    assert [m.layer_idx for m in attention_modules(model)] == [0, 1, 2]
+    assert attention_modules_in_place(model)[1] is False
+
+    class WrapAttention(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn = WrapAttention(layer.self_attn)
+    assert [type(m).__name__ for m in attention_modules(model, every_copy=True)] == ["WrapAttention",
+                                                                                     "LlamaAttention"] * 2
+
+    class Block(torch.nn.Module):
+        pass
+
+    class MyAttention(torch.nn.Module):
+        pass
+
+    net = torch.nn.ModuleList([Block(), MyAttention()])
+    assert attention_modules(net) == []
+    MyAttention.layer_idx = 0
+    assert attention_modules(net) == [net[1]]
