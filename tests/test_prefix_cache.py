@@ -345,6 +345,32 @@ def test_eviction_takes_the_least_recently_used_prefix_first(llama):
     _assert_pool_idle(pool)
 
 
+def test_a_match_alone_makes_a_prefix_the_most_recently_used():
+    # (through generate() the release's insert walks the matched pages again; a match alone must count too)
+    alloc = PageAllocator(9, first_page=1)
+    cache = PrefixCache(alloc, page_size=2)
+    a, b = alloc.alloc(1), alloc.alloc(1)
+    cache.insert([5, 6], a)
+    cache.insert([7, 8], b)
+    alloc.decref(a + b)
+    assert cache.match([5, 6, 9]) == (a, 2)  # A used after B
+    cache.evict(1)
+    assert cache.match([5, 6]) == (a, 2) and cache.match([7, 8]) == ([], 0)
+
+
+def test_a_finished_sequence_whose_tail_a_cached_page_covers_adds_no_page():
+    alloc = PageAllocator(9, first_page=1)
+    cache = PrefixCache(alloc, page_size=2)
+    a = alloc.alloc(2)
+    assert cache.insert([5, 6, 7, 8], a) == 2
+    alloc.decref(a)
+    b = alloc.alloc(2)  # [5, 6, 7] computed again on pages of its own
+    assert cache.insert([5, 6, 7], b) == 0  # the cached [7, 8] holds [7] already
+    alloc.decref(b)
+    assert len(cache) == 2 and alloc.num_free == 6
+    assert cache.match([5, 6, 7]) == (a, 3)
+
+
 def test_a_pool_full_of_cached_prefixes_evicts_in_batches(monkeypatch):
     # an eviction walks every cached page: evicting only the pages a step lacked made a call on a full pool walk
     # them at every page it took (a long session's calls slowed down linearly in the pool's size)
