@@ -769,7 +769,7 @@ def test_load_refuses_another_model_or_page_size(llama, tmp_path):
     other = tiny_model("llama", seed=1, max_position_embeddings=2048)
     with pytest.raises(ValueError, match="weights"):
         PagePool.from_model(other, max_tokens=1024, page_size=PAGE).load_prefix_cache(path)
-    with pytest.raises(ValueError, match="page_size"):
+    with pytest.raises(ValueError, match="page_size: file 16 vs this pool/model 8"):  # (every field that differs)
         PagePool.from_model(llama, max_tokens=1024, page_size=8).load_prefix_cache(path)
     qwen = tiny_model("qwen3")
     with pytest.raises(ValueError, match="architecture"):
