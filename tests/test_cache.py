@@ -691,3 +691,49 @@ def test_update_names_what_it_cannot_store(llama, k, v, layer, error, text):
             cache.update(k, k, index)
         assert cache.get_seq_length() == 3
         cache.release()
+
+
+@torch.no_grad()
+def test_a_crop_to_a_page_boundary_then_rows_of_shared_pages_each_keep_their_own_next_token():
+    # a crop that kept the page after the boundary made the next token land in a page the rows still shared
+    # (copy-on-write looks at a partly filled last page only): the last row's K/V overwrote the others'
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    prompt = torch.tensor([[5, 17, 33, 8, 41, 9, 60, 12]])  # two full pages of 4
+    following = torch.tensor([[70], [71]])
+
+    def run(cache):
+        model(prompt, **{_kw(model): cache}, use_cache=True)
+        cache.batch_repeat_interleave(2)  # two rows sharing the prompt's pages
+        cache.crop(-4)  # back to one full page
+        return model(following, **{_kw(model): cache}, use_cache=True, position_ids=torch.tensor([[4], [4]])).logits
+
+    want = run(DynamicCache())
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    with PagedCache(pool) as cache:
+        got = run(cache)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@torch.no_grad()
+def test_a_crop_in_a_loop_of_ones_own_leaves_no_dropped_token_for_the_prefix_cache():
+    # a crop that left the count of tokens whose K/V the cache holds at its old length made the release index the
+    # dropped tokens' ids and K/V (computed with the old context) as a prefix; a later prompt of those ids reused them
+    model = tiny_model("llama")
+    first = [5, 17, 33, 8, 41, 9, 60, 12]
+    later = torch.tensor([first[:5] + [70] + first[6:] + [22, 23]])  # first's ids, but 70 at column 5
+    want = model.generate(later, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    with astrai_hf.patched(model, pool=pool):
+        with PagedCache(pool) as cache:
+            model(torch.tensor([first]), **{_kw(model): cache}, use_cache=True)
+            cache.crop(-3)  # first[5:] dropped (rejected drafts)
+            model(torch.tensor([[70]]), **{_kw(model): cache}, use_cache=True, position_ids=torch.tensor([[5]]))
+        got = model.generate(later, max_new_tokens=4, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    assert pool.stats()["prefix_hit_tokens"] == 6  # the six tokens computed after the crop (first[:5], 70)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-4, atol=1e-4)
+    assert pool.stats()["num_used_pages"] == 0
