@@ -345,17 +345,41 @@ def test_eviction_takes_the_least_recently_used_prefix_first(llama):
     _assert_pool_idle(pool)
 
 
-def test_a_match_alone_makes_a_prefix_the_most_recently_used():
-    # (through generate() the release's insert walks the matched pages again; a match alone must count too)
-    alloc = PageAllocator(9, first_page=1)
-    cache = PrefixCache(alloc, page_size=2)
-    a, b = alloc.alloc(1), alloc.alloc(1)
-    cache.insert([5, 6], a)
-    cache.insert([7, 8], b)
-    alloc.decref(a + b)
-    assert cache.match([5, 6, 9]) == (a, 2)  # A used after B
-    cache.evict(1)
-    assert cache.match([5, 6]) == (a, 2) and cache.match([7, 8]) == ([], 0)
+def test_rows_released_together_offer_only_their_own_tokens(llama):
+    # a short row released beside a long one: its ids are cut at its own count, not at the widest row's (its
+    # request row's later entries still hold the ids of an earlier call's sequence, whose K/V its pages lack)
+    pool = _pool(llama)
+    x, short, long = _tokens(40, seed=60), _tokens(20, seed=61), _tokens(40, seed=62)
+    _generate(llama, pool, *_batch([x]), max_new_tokens=1)  # request row 0 records x's 40 ids
+    _generate(llama, pool, *_batch([short, long]), max_new_tokens=1)  # the short prompt on request row 0 again
+    ids, mask = _batch([torch.cat([short, x[20:]])])
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out, hits = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
+    assert hits == 20 and torch.equal(out, ref)
+    _assert_pool_idle(pool)
+
+
+@pytest.mark.parametrize("order", [[1, 0], [1, 1, 0]], ids=["swapped", "repeated"])
+def test_rows_moved_before_release_offer_their_own_tokens(llama, order):
+    # rows of different lengths reordered (or repeated) by hand before release: each keeps its own count of known
+    # tokens, so the prefix cache gets each prompt whole, and no row's ids past its own length
+    pool = _pool(llama)
+    prompts = [_tokens(40, seed=63), _tokens(20, seed=64)]
+    ids, mask = _batch(prompts)
+    cache = PagedCache(pool, ids, mask)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # generate()'s: the K/V are those a later prompt may reuse
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, position_ids=positions, **{_kw(llama): cache})
+    cache.reorder_cache(torch.tensor(order))
+    cache.release()
+    _assert_pool_idle(pool)
+    for p in prompts:
+        more = torch.cat([p, _tokens(5, seed=65)])
+        ids, mask = _batch([more])
+        ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+        out, hits = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
+        assert hits == len(p) and torch.equal(out, ref)
+    _assert_pool_idle(pool)
 
 
 def test_a_finished_sequence_whose_tail_a_cached_page_covers_adds_no_page():
@@ -390,14 +414,17 @@ def test_a_pool_full_of_cached_prefixes_evicts_in_batches(monkeypatch):
     _assert_pool_idle(pool)
 
 
-def test_a_partly_reused_page_counts_as_used_for_eviction():
+@pytest.mark.parametrize("query, served", [([5, 6, 9], 2), ([5, 9], 1)], ids=["whole page", "part of a page"])
+def test_a_match_alone_makes_its_prefix_the_most_recently_used(query, served):
+    # a page served partly counts as used as much as a whole one; and a match alone must count (through generate()
+    # the release's insert walks the matched pages again, which would hide a match that refreshed nothing)
     alloc = PageAllocator(9, first_page=1)
     cache = PrefixCache(alloc, page_size=2)
     old, new = alloc.alloc(1), alloc.alloc(1)
     cache.insert([5, 6], old)
     cache.insert([7, 8], new)
     alloc.decref(old + new)
-    assert cache.match([5, 9]) == (old, 1)  # the first page of [5, 6] serves one token: it is used now
+    assert cache.match(query) == (old, served)  # [5, 6] used after [7, 8]
     assert cache.evict(1) == 1
     assert cache.match([5, 6]) == (old, 2) and cache.match([7, 8]) == ([], 0)
 
