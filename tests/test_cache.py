@@ -652,6 +652,53 @@ def test_crop_refuses_a_non_int_and_leaves_the_cache_as_it_was():
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
 
 
+@torch.no_grad()
+def test_a_crop_of_left_padded_rows_frees_and_forgets_what_each_row_dropped():
+    # each row drops the tokens past its own length after the crop (its padding counted out): its dropped columns
+    # point at the trash slot again, so a freed page, whatever another sequence wrote there, is never read; and the
+    # release offers the prefix cache only the tokens computed after the crop
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    long, short = [5, 17, 33, 8, 41, 9, 60, 12], [44, 21, 13, 50, 6]
+    ids = torch.tensor([long, [0] * 3 + short])
+    mask = torch.tensor([[1] * 8, [0] * 3 + [1] * 5])
+    mask2 = torch.cat([mask[:, :5], torch.ones(2, 2, dtype=mask.dtype)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # generate()'s
+
+    def run(cache, garbage=lambda: None):
+        kw = {_kw(model): cache, "use_cache": True}
+        model(ids, attention_mask=mask, position_ids=positions, **kw)
+        cache.crop(-3)  # row 0 back to long[:5], row 1 to short[:2]
+        garbage()
+        # (two tokens a row: a step that reads each row's table up to the longest row, where a decode step on a
+        # CPU reads only a row's own slots)
+        return model(torch.tensor([[70, 72], [71, 73]]), attention_mask=mask2,
+                     position_ids=torch.tensor([[5, 6], [2, 3]]), **kw).logits
+
+    want = run(DynamicCache())
+    later = torch.tensor([short[:2] + [71, 73] + short[4:] + [22, 23]])  # short's ids, but 71, 73 at columns 2, 3
+    stock = model.generate(later, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    ps = pool.page_size
+
+    def fill_free_pages_with_nan():  # as another sequence's overflowed K/V would leave them
+        for p in pool.allocator.free_pages():
+            for t in pool.storage.k + pool.storage.v:
+                t[p * ps : (p + 1) * ps] = float("nan")
+
+    with astrai_hf.patched(model, pool=pool):
+        with PagedCache(pool) as cache:
+            got = run(cache, fill_free_pages_with_nan)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        later_out = model.generate(later, max_new_tokens=4, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True)
+    assert pool.stats()["prefix_hit_tokens"] == 4  # short[:2], 71 and 73: not short[4], computed before the crop
+    assert torch.equal(later_out.sequences, stock.sequences)
+    torch.testing.assert_close(torch.stack(later_out.scores), torch.stack(stock.scores), rtol=1e-4, atol=1e-4)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_activate_past_recording_takes_the_keywords_candidate_decoding_passes():
     # transformers 5.25's assisted and prompt-lookup decoding pass recurrent_states_to_keep= (for layers of
     # fixed-size state), and a patched call had raised TypeError there; the pool keeps every token until crop()
