@@ -985,12 +985,20 @@ def _packable(model) -> bool:
     return model_type in patches.PACKED_PREFILL and "position_ids" in params and "logits_to_keep" in params
 
 
-def _find_cache(kwargs: dict):
-    for name in ("cache", "past_key_values"):
-        value = kwargs.get(name)
-        if value is not None:
-            return value
-    return None
+def _find_cache(kwargs: dict, name: str):
+    """The cache a call passes: under ``name``, the keyword this transformers' forward and ``generate()`` read
+    (where both keywords are passed, stock's renaming of the deprecated one keeps that one), else the other."""
+    return kwargs[name] if name in kwargs else kwargs.get(_OTHER_CACHE_KEYWORD[name])
+
+
+def _with_cache(kwargs: dict, cache, name: str) -> dict:
+    """``kwargs`` passing ``cache`` where :func:`_find_cache` found the caller's (a cache a patched call stands in
+    for: stock's ``generate()`` then warns of a deprecated keyword as it would), else under ``name``."""
+    other = _OTHER_CACHE_KEYWORD[name]
+    return {**kwargs, other if other in kwargs and name not in kwargs else name: cache}
+
+
+_OTHER_CACHE_KEYWORD = {"cache": "past_key_values", "past_key_values": "cache"}
 
 
 def _wrap_forward(owner, forward, state: PatchState):
@@ -1005,7 +1013,7 @@ def _wrap_forward(owner, forward, state: PatchState):
     def paged_forward(*args, **kwargs):
         if state.install_token is not token:  # unpatched, or patched again: kept only by a wrapper of another's
             return forward(*args, **kwargs)
-        cache = _find_cache(kwargs)
+        cache = _find_cache(kwargs, state.cache_kwarg)
         if state.continuous_batching and not isinstance(cache, PagedCache):
             # a forward of transformers' continuous batching on its worker thread, while the generate() that
             # started it holds the lock and waits for it: no paged step can be under way
@@ -1390,7 +1398,7 @@ def _wrap_generate(owner, generate, state: PatchState):
                     return generate(*args, **kwargs)
                 finally:
                     state.continuous_batching -= 1
-        given = _find_cache(kwargs)
+        given = _find_cache(kwargs, state.cache_kwarg)
         assistant = getattr(_underlying(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
             kwargs.get("assistant_model"), torch.nn.Module) else None
         also = (assistant, None) if assistant is not None else ()
@@ -1411,16 +1419,17 @@ def _wrap_generate(owner, generate, state: PatchState):
         args, kwargs = _without_empty_ids(args, kwargs)
         passed = _passed_generation_config(args, kwargs)
         config = _GenerationSettings(passed, model.generation_config)
-        given = _find_cache(kwargs)
+        given = _find_cache(kwargs, state.cache_kwarg)
         if isinstance(given, PagedCache) and given.made_by_generate and not given.is_initialized:
             # the released cache an earlier patched call returned (transformers' multi-turn recipe passes
             # out.past_key_values back): empty, so this call runs as with no cache, and the prefix cache serves
             # what the earlier call computed
             held, returned = given.held_tokens, given
-            kwargs = {k: v for k, v in kwargs.items() if v is not given}
+            # (the keyword stays, as None: stock's generate() still warns of a deprecated name for it)
+            kwargs = {k: None if v is given else v for k, v in kwargs.items()}
             given = None
             if returned.stock_cache is not None:  # continued stock once (below): stock's cache, continued again
-                out = generate(*args, **{**kwargs, state.cache_kwarg: returned.stock_cache})
+                out = generate(*args, **_with_cache(kwargs, returned.stock_cache, state.cache_kwarg))
                 return _continued_in(returned, None, out, state.cache_kwarg)
             by_row = peft_adapters_by_row(model, kwargs) is not None
             if by_row:
@@ -1559,7 +1568,7 @@ def _wrap_generate(owner, generate, state: PatchState):
         if cache.prefilled_from_prefix_cache:
             forget_rope_deltas(model)
         try:
-            out = generate(*args, **{**kwargs, state.cache_kwarg: cache})
+            out = generate(*args, **_with_cache(kwargs, cache, state.cache_kwarg))
             _note_held_tokens(cache, out, args, kwargs, config)
             return _continued_in(returned, cache, out, state.cache_kwarg)
         finally:
@@ -1586,7 +1595,7 @@ def _continue_held_tokens(model, state: PatchState, held: HeldTokens, args: tupl
         with torch.no_grad():  # (as generate() computes the K/V it keeps)
             model(**_held_inputs(model, held, start), attention_mask=held.mask, position_ids=positions[:, start:],
                   use_cache=True, logits_to_keep=1, **{state.cache_kwarg: cache})
-        out = model.generate(*args, **{**kwargs, state.cache_kwarg: cache})
+        out = model.generate(*args, **_with_cache(kwargs, cache, state.cache_kwarg))
         _note_held_tokens(cache, out, args, kwargs, config, computed_from=held, model=model)
         return _continued_in(returned, cache, out, state.cache_kwarg)
     finally:
@@ -1627,7 +1636,7 @@ def _continue_held_tokens_stock(model, state: PatchState, held: HeldTokens | Non
         # an assistant model's drafts are cropped after each round, which a sliding-window layer can only undo
         # when it records its past: stock's generate() turns that on in the assistant's cache it makes
         cache.activate_past_recording()
-    out = generate(*args, **{**kwargs, state.cache_kwarg: cache})
+    out = generate(*args, **_with_cache(kwargs, cache, state.cache_kwarg))
     if returned is None:
         return out
     # the mask's hole is in this cache's K/V now, which no one forward over its tokens recomputes: the cache
