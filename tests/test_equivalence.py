@@ -184,6 +184,7 @@ def test_gemma2_set_to_sdpa_by_hand_does_as_stock_with_its_softcap(when):
     stock, model = _gemma2_past_its_softcap("eager"), _gemma2_past_its_softcap("eager")
     ids, mask = left_padded_batch([20, 13], seed=1)
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    scored = dict(kw, output_scores=True, return_dict_in_generate=True)
     pool = PagePool.from_model(model, max_tokens=1024, page_size=4)
     if when == "before patch()":
         model.config._attn_implementation = "sdpa"
@@ -194,8 +195,10 @@ def test_gemma2_set_to_sdpa_by_hand_does_as_stock_with_its_softcap(when):
                 stock.generate(ids, **kw)
             with pytest.raises(ValueError, match="softcap.*set_attn_implementation"):
                 model.generate(ids, **kw)
-        else:  # (older releases drop it, stock and paged alike)
-            assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))
+        else:  # (older releases drop it, stock and paged alike: every score, before any token differs)
+            got, want = model.generate(ids, **scored), stock.generate(ids, **scored)
+            assert torch.equal(got.sequences, want.sequences)
+            torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-4, atol=1e-4)
         assert pool.stats()["num_used_pages"] == 0
         model.config._attn_implementation = stock.config._attn_implementation = "eager"
         assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))

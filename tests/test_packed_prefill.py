@@ -98,7 +98,7 @@ def test_fallback_when_every_prompt_positions_outputs_are_asked_for(spy, output)
     torch.testing.assert_close(got * real, want * real, rtol=1e-5, atol=1e-5)  # at real positions, as stock's
 
 
-@pytest.mark.parametrize("pad", [-100, 96 + 5], ids=["negative", "past-the-vocabulary"])
+@pytest.mark.parametrize("pad", [-100, 96, 96 + 5], ids=["negative", "the-vocabulary-size", "past-the-vocabulary"])
 def test_a_masked_pad_id_outside_the_vocabulary_fails_as_stock_does(spy, pad):
     # a pad token added to the tokenizer without resizing the embeddings: stock embeds the padding and raises;
     # packed, the padding was never read and the call ran
