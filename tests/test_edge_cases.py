@@ -52,6 +52,24 @@ def test_transformers_chunked_prefill_after_a_prefix_hit(chunk):
         assert _used(model) == 0
 
 
+def test_transformers_chunked_prefill_after_a_prefix_hit_shorter_than_a_rows_padding():
+    # a chunk that ends inside a row's left padding: the row's padding as that chunk's mask shows it is cut at the
+    # chunk's end, and the check against the prompt's padding cuts it there too (it had raised a ValueError)
+    from tiny_models import PAD
+
+    model = tiny_model("llama")
+    long, short = list(range(10, 22)), [40, 41, 42]
+    ids = torch.tensor([long, [PAD] * 9 + short])
+    mask = (ids != PAD).long()
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=2)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, page_size=4):
+        warm = torch.tensor([long[:2] + [70, 71, 72]])  # shares the long row's first 2 tokens
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=1, do_sample=False)
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert _used(model) == 0
+
+
 @pytest.mark.parametrize("chunk", [3, 8])
 def test_transformers_chunked_prefill_given_a_cache_back_gives_a_fresh_calls_tokens(chunk):
     # before 5.24 stock's chunked prefill feeds the whole prompt again on top of the cache passed back (its cache
@@ -733,6 +751,26 @@ def test_a_cache_of_the_callers_fits_the_next_prompt(call):
         expected = stock(model, expected_ids, attention_mask=whole_mask if call.startswith("only") else prompt_mask, **kw)
         assert torch.equal(got, expected[:, -got.shape[1]:])
         cache.release()
+        assert _used(model) == 0
+
+
+def test_a_cache_of_the_callers_given_another_prompt_offers_the_earlier_one_to_the_prefix_cache():
+    # a prompt that differs from column 0 on empties the cache (reset): its tokens go to the prefix cache, as a
+    # release's do; a crop to no column had dropped them
+    model = tiny_model("llama")
+    first = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
+    other = (first + 1) % VOCAB
+    kw = dict(max_new_tokens=4, do_sample=False)
+    stock = model.__class__.generate(model, first, attention_mask=torch.ones_like(first), **kw)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        cache = astrai_hf.PagedCache(pool)
+        for prompt in (first, other):
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), **{astrai_hf.cache_kwarg(model): cache}, **kw)
+        cache.release()
+        hits = pool.stats()["prefix_hit_tokens"]
+        assert torch.equal(model.generate(first, attention_mask=torch.ones_like(first), **kw), stock)
+        assert pool.stats()["prefix_hit_tokens"] - hits == 9  # all but the last prompt token
         assert _used(model) == 0
 
 

@@ -330,6 +330,83 @@ def test_rows_that_do_not_fit_leave_the_cache_as_it_was(grow):
     assert pool.stats()["num_used_pages"] == 0 and pool.stats()["num_reqs_used"] == 0
 
 
+@torch.no_grad()
+def test_a_hole_inside_a_prompt_under_the_models_own_attention_is_no_padding():
+    # output_attentions=True: the model's own attention over the gathered K/V, which applies the mask's hole; the
+    # hole had been counted as the row's padding (a token not stored): other logits at both steps
+    model = tiny_model("llama")
+    ids, mask = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.tensor([[1, 1, 0, 1, 1, 1]])
+    mask2 = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], 1)
+
+    def run(cache):
+        kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+        first = model(ids, attention_mask=mask, output_attentions=True, **kw).logits
+        return first, model(torch.tensor([[11]]), attention_mask=mask2, **kw).logits
+
+    want = run(_dynamic(model))
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        with PagedCache(pool) as cache:
+            got = run(cache)
+            assert cache.seq_lens == [7]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_a_forward_that_failed_midway_and_was_released_offers_only_what_every_layer_stored():
+    # an unpatched model's second chunk raised in layer 1 after layer 0 stored it; released without a crop, the
+    # cache offers the prefix cache only the first chunk, which every layer holds (a later call had been served
+    # the half-stored tokens: other tokens than stock's)
+    model = tiny_model("llama")
+    full = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(full), max_new_tokens=5, do_sample=False)
+    ref = model.generate(full, **kw)
+    pool = PagePool.from_model(model, max_tokens=512, page_size=4)
+    cache = PagedCache(pool, full[:, :8], torch.ones_like(full[:, :8]))
+    name = astrai_hf.cache_kwarg(model)
+
+    def stop(*args):
+        raise RuntimeError("stopped in layer 1")
+
+    with torch.no_grad():
+        model(full[:, :4], **{name: cache})
+        handle = model.model.layers[1].register_forward_pre_hook(stop)
+        try:
+            with pytest.raises(RuntimeError, match="stopped in layer 1"):
+                model(full[:, 4:8], **{name: cache})
+        finally:
+            handle.remove()
+    cache.release()
+    with astrai_hf.patched(model, pool=pool):
+        assert torch.equal(model.generate(full, **kw), ref)
+    assert pool.stats()["prefix_hit_tokens"] == 4
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def test_tokens_fed_after_embeddings_of_ones_own_offer_nothing_to_the_prefix_cache():
+    # a soft prompt (embeddings no token id stands for), then a token id: the cache knows no ids for the first
+    # columns, so nothing is a prefix; the step of ids had counted them known, and the request row's ids of an
+    # earlier call keyed the soft prompt's K/V
+    model = tiny_model("llama")
+    prompt = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(4))
+    longer = torch.cat([prompt, torch.tensor([[50, 51, 52, 53]])], 1)
+    kw = dict(max_new_tokens=5, do_sample=False)
+    ref = model.generate(longer, attention_mask=torch.ones_like(longer), **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False)
+        pool.clear_prefix_cache()  # (the request row keeps the prompt's ids)
+        name = astrai_hf.cache_kwarg(model)
+        with PagedCache(pool) as cache, torch.no_grad():
+            out = model(inputs_embeds=model.get_input_embeddings()(prompt) * 1.5, **{name: cache})
+            model(out.logits[:, -1:].argmax(-1), **{name: cache})
+        hits = pool.stats()["prefix_hit_tokens"]
+        assert torch.equal(model.generate(longer, attention_mask=torch.ones_like(longer), **kw), ref)
+        assert pool.stats()["prefix_hit_tokens"] == hits
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_a_forward_that_failed_midway_on_an_unpatched_model_is_named_on_the_next_and_crop_recovers():
     # the next forward had planned a new step over the half-stored one and given other logits than a clean run,
     # without a word (stock's layers of different lengths fail there). A copy of the cache had not carried the

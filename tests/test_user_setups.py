@@ -632,6 +632,19 @@ def test_hooks_of_the_callers_see_the_whole_prompt_in_stocks_shape(kind):
         astrai_hf.unpatch(model)
 
 
+def _steering_hook(steer: torch.Tensor, shapes: list):
+    """A forward hook adding ``steer`` to the hidden state at the forward's first column, recording the shapes it
+    sees in ``shapes``."""
+
+    def hook(module, args, output):
+        h = _hidden(output).clone()
+        shapes.append(tuple(h.shape))
+        h[:, 0] += steer
+        return _with_hidden(output, h)
+
+    return hook
+
+
 def test_a_hooked_chat_continued_on_the_returned_cache_shows_the_hook_stocks_columns():
     # stock's returned cache holds the first turn's K/V (its decode steps steered too), so the next turn's hook is
     # shown only the columns after them; the rule that keeps hooked calls off the prefix cache recomputed them all
@@ -644,14 +657,7 @@ def test_a_hooked_chat_continued_on_the_returned_cache_shows_the_hook_stocks_col
 
     def chat():
         shapes = []
-
-        def hook(module, args, output):
-            h = _hidden(output).clone()
-            shapes.append(tuple(h.shape))
-            h[:, 0] += steer
-            return _with_hidden(output, h)
-
-        handle = model.model.layers[0].register_forward_hook(hook)
+        handle = model.model.layers[0].register_forward_hook(_steering_hook(steer, shapes))
         try:
             first = model.generate(ids, attention_mask=mask, **kw)
             seq = torch.cat([first.sequences, more], 1)
@@ -669,6 +675,37 @@ def test_a_hooked_chat_continued_on_the_returned_cache_shows_the_hook_stocks_col
     _assert_same_output(got[0], want[0])
     _assert_same_output(got[1], want[1])
     assert got[2] == want[2] and want[2][0][1] == 4  # the first forward of turn 2: the 4 columns after stock's
+
+
+def test_a_hooked_call_on_the_returned_cache_is_served_no_more_than_it_held_when_the_prefix_cache_holds_more():
+    # an earlier hooked call cached the whole prompt; the returned cache of a shorter one holds 8 columns: stock
+    # computes the columns after those 8, and the prefix cache must serve no more than the returned cache held
+    model = tiny_model("llama")
+    steer = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 3
+    prompt = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(5))
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
+    name = astrai_hf.cache_kwarg(model)
+
+    def calls():
+        shapes = []
+        handle = model.model.layers[0].register_forward_hook(_steering_hook(steer, shapes))
+        try:
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, **kw)
+            short = model.generate(prompt[:, :8], attention_mask=torch.ones_like(prompt[:, :8]), max_new_tokens=1,
+                                   **kw)
+            n = len(shapes)
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, **kw,
+                                 **{name: short[name]})
+        finally:
+            handle.remove()
+        return out, shapes[n:]
+
+    want = calls()
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        got = calls()
+        assert _used(astrai_hf.get_pool(model)) == 0
+    _assert_same_output(got[0], want[0])
+    assert got[1] == want[1] and want[1][0][1] == 12  # the call's first forward: the 12 columns after stock's 8
 
 
 @pytest.mark.parametrize("mode", ["num_return_sequences", "beams"])
