@@ -98,6 +98,57 @@ def test_fallback_when_every_prompt_positions_outputs_are_asked_for(spy, output)
     torch.testing.assert_close(got * real, want * real, rtol=1e-5, atol=1e-5)  # at real positions, as stock's
 
 
+@pytest.mark.parametrize("asks", ["logits_to_keep=2", "config.output_hidden_states"])
+def test_a_forward_of_ones_own_asking_for_more_than_the_last_logits_runs_as_stock(spy, asks):
+    # a direct forward of a patched model on a padded batch: two kept positions, or hidden states the config asks
+    # for (no keyword), need every row's own columns; a packed forward would hand back one row of the real tokens
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([3, 11, 6], seed=4)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+              logits_to_keep=2 if asks == "logits_to_keep=2" else 1)
+    model.config.output_hidden_states = asks == "config.output_hidden_states"
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=PAGE)
+    with torch.no_grad():
+        want = model(**kw, **{cache_kwarg(model): DynamicCache()})
+        with astrai_hf.patched(model, pool=pool), PagedCache(pool, prefix_cache=False) as cache:
+            got = model(**kw, **{cache_kwarg(model): cache})
+    assert spy["packed"] == 0
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    if asks == "config.output_hidden_states":
+        real = mask.bool()[:, :, None]
+        assert got.hidden_states[-1].shape == want.hidden_states[-1].shape
+        torch.testing.assert_close(got.hidden_states[-1] * real, want.hidden_states[-1] * real, rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_loop_of_ones_own_chunked_without_positions_equals_stock(arch, spy):
+    # no position_ids and no mask: the packed, chunked prefill computes each row's positions from its stored
+    # length (RoPE shows a shift only in the later steps, learned absolute positions at once)
+    from transformers import DynamicCache
+
+    model = tiny_model(arch)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def loop(cache, steps=4):
+        kw = {cache_kwarg(model): cache, "use_cache": True}
+        logits = [model(input_ids=ids, logits_to_keep=1, **kw).logits[:, -1]]
+        for _ in range(steps):
+            logits.append(model(input_ids=logits[-1].argmax(-1, keepdim=True), **kw).logits[:, -1])
+        return torch.stack(logits, 1)
+
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=PAGE)
+    with torch.no_grad():
+        want = loop(DynamicCache())
+        with astrai_hf.patched(model, pool=pool, prefill_chunk_tokens=8), PagedCache(pool, prefix_cache=False) as c:
+            got = loop(c)
+    assert spy["packed"] == 1 and spy["chunks"] == [8, 8, 8]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 @pytest.mark.parametrize("pad", [-100, 96, 96 + 5], ids=["negative", "the-vocabulary-size", "past-the-vocabulary"])
 def test_a_masked_pad_id_outside_the_vocabulary_fails_as_stock_does(spy, pad):
     # a pad token added to the tokenizer without resizing the embeddings: stock embeds the padding and raises;
