@@ -76,6 +76,8 @@ def test_no_padding_runs_the_rectangle_unless_chunked(spy):
     ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=5)
     assert torch.equal(_generate(model, ids, mask, max_new_tokens=5), ref)
     assert spy["packed"] == 0  # nothing to drop
+    assert torch.equal(_generate(model, ids, mask, max_new_tokens=5, prefill_chunk_tokens=36), ref)
+    assert spy["packed"] == 0  # a chunk holds the whole prompt
     assert torch.equal(_generate(model, ids, mask, max_new_tokens=5, prefill_chunk_tokens=10), ref)
     assert spy["chunks"] == [10, 10, 10, 6]
 
