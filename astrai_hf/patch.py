@@ -985,20 +985,23 @@ def _packable(model) -> bool:
     return model_type in patches.PACKED_PREFILL and "position_ids" in params and "logits_to_keep" in params
 
 
+def _cache_keyword(kwargs: dict, name: str) -> str:
+    """The keyword a call's cache is read from: ``name``, the one this transformers' forward and ``generate()``
+    read, or ``past_key_values`` where they read that as ``cache`` (5.24 and later: stock's renaming of the
+    deprecated keyword, which keeps ``cache`` where both are passed) and ``cache`` is not passed."""
+    return "past_key_values" if name == "cache" and "cache" not in kwargs else name
+
+
 def _find_cache(kwargs: dict, name: str):
-    """The cache a call passes: under ``name``, the keyword this transformers' forward and ``generate()`` read
-    (where both keywords are passed, stock's renaming of the deprecated one keeps that one), else the other."""
-    return kwargs[name] if name in kwargs else kwargs.get(_OTHER_CACHE_KEYWORD[name])
+    """The cache a call passes (None where none), read as stock reads it (see :func:`_cache_keyword`)."""
+    return kwargs.get(_cache_keyword(kwargs, name))
 
 
 def _with_cache(kwargs: dict, cache, name: str) -> dict:
-    """``kwargs`` passing ``cache`` where :func:`_find_cache` found the caller's (a cache a patched call stands in
+    """``kwargs`` passing ``cache`` under the keyword the caller's was read from (a cache a patched call stands in
     for: stock's ``generate()`` then warns of a deprecated keyword as it would), else under ``name``."""
-    other = _OTHER_CACHE_KEYWORD[name]
-    return {**kwargs, other if other in kwargs and name not in kwargs else name: cache}
-
-
-_OTHER_CACHE_KEYWORD = {"cache": "past_key_values", "past_key_values": "cache"}
+    keyword = _cache_keyword(kwargs, name)
+    return {**kwargs, keyword if keyword in kwargs else name: cache}
 
 
 def _wrap_forward(owner, forward, state: PatchState):
@@ -1426,7 +1429,7 @@ def _wrap_generate(owner, generate, state: PatchState):
             # what the earlier call computed
             held, returned = given.held_tokens, given
             # (the keyword stays, as None: stock's generate() still warns of a deprecated name for it)
-            kwargs = {k: None if v is given else v for k, v in kwargs.items()}
+            kwargs = {**kwargs, _cache_keyword(kwargs, state.cache_kwarg): None}
             given = None
             if returned.stock_cache is not None:  # continued stock once (below): stock's cache, continued again
                 out = generate(*args, **_with_cache(kwargs, returned.stock_cache, state.cache_kwarg))

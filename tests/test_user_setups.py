@@ -1833,6 +1833,33 @@ def test_the_returned_cache_passed_back_warns_of_a_deprecated_keyword_as_stock(k
         _assert_same_output(g, r)
 
 
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_a_cache_keyword_passed_none_or_one_this_transformers_does_not_read_does_as_stock(keyword):
+    # None under either keyword runs afresh, as stock (an older release drops a None it does not read; a patched
+    # call had passed its own cache under that keyword, which it refused). A cache under a keyword the forward
+    # does not read is no cache there (the patched forward had stored into it)
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+
+    def calls(m):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = m.generate(ids, **{keyword: None}, **kw)
+            cache = PagedCache(PagePool.from_model(model, max_tokens=64, page_size=4))
+            with torch.no_grad():
+                logits = m(ids, **{keyword: cache}).logits
+        said = [re.sub(r"=[^`]*`", "=`", str(w.message)) for w in caught if issubclass(w.category, FutureWarning)]
+        return out, logits, cache.get_seq_length(), said
+
+    want = calls(model)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4) as patched:
+        got = calls(patched)
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    assert torch.equal(got[0], want[0]) and got[2:] == want[2:]
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("prompt", ["emitting the pad token", "a chat turn holding pad tokens"])
 def test_early_exit_set_in_the_models_generation_config_past_pad_tokens_equals_stock(prompt):
     # transformers' drafts are generate() calls that read early exit from the model's generation_config too, crop
