@@ -812,6 +812,7 @@ def test_patch_and_unpatch_of_a_torch_compile_wrapper_act_on_the_model_it_wraps(
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
     ref = model.generate(ids, **kw)
     compiled = torch.compile(model)
+    assert astrai_hf.cache_kwarg(compiled) == astrai_hf.cache_kwarg(model)  # (the wrapper's forward takes **kwargs)
     before = set(model.__dict__)
     assert astrai_hf.patch(compiled, max_tokens=1024) is compiled
     assert astrai_hf.is_patched(compiled) and astrai_hf.is_patched(model)
