@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from . import attention, packing
-from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, check_rows_have_tokens,
-                    empty_rows, forget_rope_deltas, left_padding)
+from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, _underlying, autocast_on, cache_kwarg,
+                    check_rows_have_tokens, empty_rows, forget_rope_deltas, left_padding)
 from .config import (OWN_ATTENTION, KVSpec, as_count, as_flag, class_attr, class_defines,
                      rope_depends_on_length)
 from .distributed import agree
@@ -187,6 +187,11 @@ def patch(
             "AutoModelForCausalLM), whose generate() it routes through the pool. For a bare decoder, pass a "
             "PagedCache to its forward yourself"
         )
+    if state is None and getattr(model, "config", None) is None:
+        raise TypeError(
+            f"{type(model).__name__} has no config: patch() takes a transformers model (e.g. AutoModelForCausalLM); "
+            "for a module of your own that wraps one, patch the model it wraps"
+        )
     if pool is not None and pool_kwargs:
         raise ValueError(f"pass either a pool or pool sizing arguments, not both (got {sorted(pool_kwargs)})")
     if state is not None:
@@ -343,13 +348,6 @@ def _as_module(caller: str, model) -> torch.nn.Module:
         raise TypeError(f"{caller} takes a transformers model (a torch.nn.Module), got {type(model).__name__}: "
                         f"{model!r:.80}")
     return model
-
-
-def _underlying(model: torch.nn.Module) -> torch.nn.Module:
-    """The model a ``torch.compile`` wrapper (``OptimizedModule``) holds, else ``model``: the wrapper forwards
-    ``generate`` and other attributes to it, so patching the wrapper itself would patch half of each."""
-    inner = getattr(model, "_modules", {}).get("_orig_mod")  # OptimizedModule holds it as a submodule
-    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 _INSTALLED = ("forward", "generate", "__deepcopy__", "__reduce_ex__")  # instance attributes patch() sets on the model

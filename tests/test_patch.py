@@ -149,19 +149,36 @@ def test_bad_arguments_are_named():
     assert PagePool.from_model(model, max_tokens=256, prefix_cache=np.False_).prefix_cache is None
 
 
-@pytest.mark.parametrize("what", ["bare decoder", "not a model"])
+class _Wrapper(torch.nn.Module):
+    """A module of one's own around a model, with a generate() of its own and no config."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("what", ["bare decoder", "not a model", "a wrapper without a config"])
 def test_what_patch_cannot_take_is_refused_before_anything_is_installed(what):
     # patch(LlamaModel) had installed its forward wrapper and module state, then failed on the missing generate():
     # the model was left half patched (and torch.save of it failed)
     import pickle
 
     model = tiny_model("llama")
-    target = model.model if what == "bare decoder" else model.config
-    before = dict(vars(target)) if what == "bare decoder" else None
-    error = "LlamaModel has no generate\\(\\)" if what == "bare decoder" else "takes a transformers model .* got LlamaConfig"
+    target, error = {
+        "bare decoder": (model.model, "LlamaModel has no generate\\(\\)"),
+        "not a model": (model.config, "takes a transformers model .* got LlamaConfig"),
+        "a wrapper without a config": (_Wrapper(model), "_Wrapper has no config: .* patch the model it wraps"),
+    }[what]
+    before = dict(vars(target)) if what != "not a model" else None
     with pytest.raises(TypeError, match=error):
         astrai_hf.patch(target)
-    if what == "bare decoder":
+    if what != "not a model":
         assert vars(target).keys() == before.keys()
         assert all("_astrai" not in k for m in target.modules() for k in vars(m))
         pickle.dumps(target)
