@@ -984,10 +984,19 @@ def _packable(model) -> bool:
 
 
 def _cache_keyword(kwargs: dict, name: str) -> str:
-    """The keyword a call's cache is read from: ``name``, the one this transformers' forward and ``generate()``
-    read, or ``past_key_values`` where they read that as ``cache`` (5.24 and later: stock's renaming of the
-    deprecated keyword, which keeps ``cache`` where both are passed) and ``cache`` is not passed."""
-    return "past_key_values" if name == "cache" and "cache" not in kwargs else name
+    """The keyword a call's cache is read from, as stock reads it: ``cache`` where it is passed and this
+    transformers reads it (5.24 and later, whose ``generate()`` hands every forward ``cache=``, and whose renaming
+    of the deprecated ``past_key_values=`` keeps ``cache`` where both are passed; or a model whose forward takes
+    ``cache``: ``name``), else ``past_key_values`` (a ``cache=`` before 5.24 is no cache)."""
+    return "cache" if "cache" in kwargs and (name == "cache" or _generate_passes_cache()) else "past_key_values"
+
+
+@functools.cache  # (once per process)
+def _generate_passes_cache() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 24)
 
 
 def _find_cache(kwargs: dict, name: str):

@@ -45,6 +45,25 @@ def _steer(model, scale=0.5):
         lambda m, a, out: (out[0] + steer, *out[1:]) if isinstance(out, tuple) else out + steer)
 
 
+@torch.no_grad()
+def test_logits_a_replay_returned_are_not_overwritten_by_the_next(captured):
+    # a loop of one's own keeping each step's logits: the graph's output buffer is the next replay's too, so what
+    # a step hands back must be a copy of it
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([6, 6], seed=0)
+    with _patched(model):
+        with astrai_hf.PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            kw = {astrai_hf.cache_kwarg(model): cache, "use_cache": True, "logits_to_keep": 1}
+            out, kept = model(input_ids=ids, attention_mask=mask, **kw), []
+            for _ in range(4):
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, torch.ones_like(token)], 1)
+                out = model(input_ids=token, attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1, **kw)
+                kept.append((out.logits, out.logits.clone()))
+        assert [g.replays for g in captured] == [4]  # every decode step through the graph
+    assert all(torch.equal(a, b) for a, b in kept)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_replays_that_run_no_python_give_stocks_tokens(captured, arch):
     stock = tiny_model(arch)
