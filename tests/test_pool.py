@@ -254,6 +254,30 @@ def test_pool_for_another_model_is_refused(llama):
     assert not astrai_hf.is_patched(llama)
 
 
+def test_pool_of_another_head_size_is_refused_at_patch_time(llama):
+    # refused by patch() itself, before a call stores anything (the cache would only see it at the first step)
+    head_dim = llama.config.head_dim
+    pool = PagePool(llama.config, max_tokens=64, page_size=4, head_dim=2 * head_dim)
+    with pytest.raises(ValueError, match=f"built for a model with head_dim={2 * head_dim}, but LlamaForCausalLM has "
+                                         f"head_dim={head_dim}"):
+        astrai_hf.patch(llama, pool=pool)
+    assert not astrai_hf.is_patched(llama) and pool.stats()["num_used_pages"] == 0
+
+
+def test_cache_full_names_the_pages_wanted_and_the_pages_free(llama):
+    # the pages the step needed, not what it lacked: "needed 2 pages, 8 free" would contradict itself
+    pool = PagePool.from_model(llama, max_tokens=8 * 4, page_size=4, prefix_cache=False)  # 8 pages
+    with pytest.raises(CacheFullError, match="needed 10 pages, 8 free, 0 evictable") as err:
+        pool.reserve(10)
+    assert (err.value.needed, err.value.free, err.value.evictable) == (10, 8, 0)
+    pool = PagePool.from_model(llama, max_tokens=6 * 4, page_size=4, prefix_cache=False)  # 6 pages
+    ids = torch.randint(3, 60, (3, 9), generator=torch.Generator().manual_seed(0))  # 3 rows x 3 pages to prefill
+    with astrai_hf.patched(llama, pool=pool), pytest.raises(CacheFullError) as err:
+        llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    assert (err.value.needed, err.value.free, err.value.evictable) == (9, 6, 0)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_dtype_mismatch_is_a_type_error(llama):
     pool = PagePool.from_model(llama, max_tokens=64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="float32.*bfloat16"):

@@ -414,6 +414,22 @@ def test_a_pool_full_of_cached_prefixes_evicts_in_batches(monkeypatch):
     _assert_pool_idle(pool)
 
 
+def test_reserving_exactly_the_free_pages_evicts_nothing(llama):
+    # a request the free pages meet evicts no cached prefix (a batch of evictions is at least a 256th of the pool)
+    pool = _pool(llama, max_tokens=512 * 4, page_size=4)  # 512 pages: an eviction frees 2 at once
+    prompt = _tokens(40, seed=8)[None]
+    _generate(llama, pool, prompt, torch.ones_like(prompt), max_new_tokens=4)
+    before = pool.stats()
+    assert before["num_cached_pages"] >= 10 and before["evictions"] == 0
+    pool.reserve(before["num_free_pages"])
+    after = pool.stats()
+    assert (after["num_cached_pages"], after["evictions"]) == (before["num_cached_pages"], 0)
+    pool.reserve(before["num_free_pages"] + 1)  # one page short: a batch of two goes
+    after = pool.stats()
+    assert (after["num_cached_pages"], after["evictions"]) == (before["num_cached_pages"] - 2, 2)
+    _assert_pool_idle(pool)
+
+
 @pytest.mark.parametrize("query, served", [([5, 6, 9], 2), ([5, 9], 1)], ids=["whole page", "part of a page"])
 def test_a_match_alone_makes_its_prefix_the_most_recently_used(query, served):
     # a page served partly counts as used as much as a whole one; and a match alone must count (through generate()

@@ -180,6 +180,19 @@ def test_request_rows_of_garbage_caches_are_collected_before_cache_full(llama, n
     assert pool.stats()["num_reqs_used"] == 0 and pool.stats()["num_used_pages"] == 0
 
 
+def test_request_rows_of_garbage_caches_are_collected_when_one_row_is_short(llama, no_automatic_gc):
+    ids, mask = left_padded_batch([7, 5], seed=1)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    stock = llama.generate(ids, **kw)
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=4, max_reqs=3)
+    for _ in range(2):  # 2 rows held: 1 free, 2 wanted
+        _garbage_cache(pool, ids[:1], mask[:1], prefill_with=llama)
+    assert pool.stats()["num_reqs_used"] == 2
+    with astrai_hf.patched(llama, pool=pool):
+        assert torch.equal(llama.generate(ids, **kw), stock)  # had raised CacheFullError: 1 free request row
+    assert pool.stats()["num_reqs_used"] == 0 and pool.stats()["num_used_pages"] == 0
+
+
 def test_pages_of_garbage_caches_are_collected_before_cache_full(llama, no_automatic_gc):
     # caches of the caller's own loop that hold pages (no prefix cache to give them to): a later call needs them
     ids, mask = left_padded_batch([30, 25], seed=2)

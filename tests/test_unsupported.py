@@ -227,12 +227,17 @@ def test_a_pool_refuses_the_config_of_a_hybrid_model(config):
 
 @pytest.mark.parametrize("config, reason", [
     ("MllamaConfig", "cross-attention"), ("TrOCRConfig", "cross-attention"), ("DeepseekV4Config", "compressed"),
-])
+    (dict(GPT2Config=dict(add_cross_attention=True)), r"cross-attention \(add_cross_attention=True"),
+    ("xLSTMConfig", r"K and V have different head sizes \(256 and 512\)"),
+    (dict(LlamaConfig=dict(head_dim=16, v_head_dim=32)), r"K and V have different head sizes \(16 and 32\)"),
+], ids=["mllama", "trocr", "deepseek-v4", "gpt2-add-cross-attention", "xlstm", "v-head-larger"])
 def test_a_pool_refuses_configs_of_cross_attention_and_compressed_attention(config, reason):
     # accepted by PagePool(config) though from_model refused the model: DeepSeek-V4's compressor caches then failed
     # with an AttributeError inside its attention
+    # (a V head larger than K's, as xLSTM's, and a config's add_cross_attention: each refused by PagePool(config) too)
+    name, kwargs = next(iter(config.items())) if isinstance(config, dict) else (config, {})
     with _quiet():
-        cfg = getattr(T, config)()
+        cfg = getattr(T, name)(**kwargs)
     with pytest.raises(NotImplementedError, match=reason):
         PagePool(cfg, max_tokens=64)
 
