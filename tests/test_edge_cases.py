@@ -613,8 +613,13 @@ def test_a_pad_token_inside_a_prompt_without_a_mask_runs_as_stock():
     # generate() masks it (a hole no paged cache holds): the call had been refused, also the assistant's calls in
     # assisted decoding, which transformers makes without a mask after the target emitted the pad token
     model = tiny_model("llama")  # pad_token_id 0
-    ids = torch.tensor([[5, 6, 0, 7, 8], [9, 0, 0, 4, 3]])
-    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    _generates_as_stock_twice(model, torch.tensor([[5, 6, 0, 7, 8], [9, 0, 0, 4, 3]]), max_new_tokens=4)
+
+
+def _generates_as_stock_twice(model, ids, **kw):
+    """Greedy generate() without a mask: the patched call's tokens and scores equal stock's, twice (the second
+    with the prefix cache filled), and no page stays used."""
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_scores=True, **kw)
     ref = model.generate(ids, **kw)
     with astrai_hf.patched(model, max_tokens=512, page_size=4):
         for _ in range(2):
@@ -922,6 +927,20 @@ def test_a_pad_token_that_starts_a_prompt_without_a_mask_is_padding_as_in_stock(
             assert torch.equal(model.generate(x, attention_mask=torch.ones_like(x), **kw), ref_ones)
             assert torch.equal(model.generate(x, **kw), ref)
         assert _used(model) == 0
+
+
+@pytest.mark.parametrize("rows", [[[2, 11, 12, 13, 14, 15]], [[11, 12, 2, 14, 15]], [[2, 2, 2]],
+                                  [[2, 11, 12, 2, 14, 15], [2, 2, 2, 2, 2, 2]]],
+                         ids=["leading", "inside", "only", "batch"])
+def test_a_pad_token_that_is_also_eos_is_attended_without_a_mask_as_in_stock(rows):
+    # GPT-2-style tokenizers set pad = eos: generate() then cannot tell padding from tokens and masks none of them
+    # (a leading one was taken as left padding, a row of nothing else was refused)
+    from tiny_models import EOS
+
+    assert EOS == 2
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = EOS
+    _generates_as_stock_twice(model, torch.tensor(rows), max_new_tokens=5, min_new_tokens=5)
 
 
 def test_a_mask_row_of_zeros_is_refused_with_a_cache_of_the_callers_too():

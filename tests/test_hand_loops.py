@@ -125,17 +125,21 @@ def test_a_column_masked_after_the_prompt_is_masked_as_stock_masks_it(arch, full
         assert pool.stats()["num_cached_pages"] == 0
 
 
+@pytest.mark.parametrize("asked", ["keyword", "config"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_a_forward_of_ones_own_asking_for_attentions_gets_them(arch):
+def test_a_forward_of_ones_own_asking_for_attentions_gets_them(arch, asked):
     model = tiny_model(arch)
     model.set_attn_implementation("eager")  # (sdpa returns no weights, in stock too; gemma2 is eager already)
     ids, mask = left_padded_batch([3, 7, 5], seed=1)
+    if asked == "config":  # (config.output_attentions alone asks for them too)
+        model.config.output_attentions = True
+    ask = dict(output_attentions=True) if asked == "keyword" else {}
     with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=True,
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=True, **ask,
                     **{astrai_hf.cache_kwarg(model): _dynamic(model)}).attentions
         pool = PagePool.from_model(model, max_tokens=1024)
         with astrai_hf.patched(model, pool=pool), PagedCache(pool) as cache:
-            got = model(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=True,
+            got = model(input_ids=ids, attention_mask=mask, use_cache=True, **ask,
                         **{astrai_hf.cache_kwarg(model): cache}).attentions
     assert len(got) == len(ref) > 0
     for g, r in zip(got, ref):
@@ -407,15 +411,21 @@ def test_tokens_fed_after_embeddings_of_ones_own_offer_nothing_to_the_prefix_cac
     assert pool.stats()["num_used_pages"] == 0
 
 
-def test_a_forward_that_failed_midway_on_an_unpatched_model_is_named_on_the_next_and_crop_recovers():
-    # the next forward had planned a new step over the half-stored one and given other logits than a clean run,
-    # without a word (stock's layers of different lengths fail there). A copy of the cache had not carried the
-    # unfinished step, and crop(0) (nothing dropped) had forgotten it: their next forward ran without a word too
+def _failing_midway_setup():
+    """A tiny llama, a left-padded prompt of 2 rows and its mask, the mask and tokens of the next step, and the
+    keywords handing a forward a cache."""
     model = tiny_model("llama", seed=1)
     ids, mask = left_padded_batch([4, 9], seed=2)
     m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
     tok = torch.tensor([[5], [6]])
-    kw = lambda cache: {astrai_hf.cache_kwarg(model): cache, "use_cache": True}  # noqa: E731
+    return model, ids, mask, m2, tok, lambda cache: {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+
+
+def test_a_forward_that_failed_midway_on_an_unpatched_model_is_named_on_the_next_and_crop_recovers():
+    # the next forward had planned a new step over the half-stored one and given other logits than a clean run,
+    # without a word (stock's layers of different lengths fail there). A copy of the cache had not carried the
+    # unfinished step, and crop(0) (nothing dropped) had forgotten it: their next forward ran without a word too
+    model, ids, mask, m2, tok, kw = _failing_midway_setup()
     pool = PagePool.from_model(model, max_tokens=512, page_size=4)
     with torch.no_grad():
         dynamic = _dynamic(model)
@@ -449,15 +459,40 @@ def test_a_forward_that_failed_midway_on_an_unpatched_model_is_named_on_the_next
     assert pool.stats()["num_used_pages"] == 0
 
 
+@pytest.mark.parametrize("failed", ["prefill", "decode step"])
+def test_a_forward_that_failed_midway_on_a_patched_model_is_rolled_back_by_itself(failed):
+    # a patched model drops the unfinished step itself: the next forward equals a clean run's
+    model, ids, mask, m2, tok, kw = _failing_midway_setup()
+    with torch.no_grad():
+        dynamic = _dynamic(model)
+        want_prefill = model(input_ids=ids, attention_mask=mask, **kw(dynamic)).logits
+        want_step = model(input_ids=tok, attention_mask=m2, **kw(dynamic)).logits
+    with astrai_hf.patched(model, max_tokens=512, page_size=4), torch.no_grad():
+        pool = astrai_hf.get_pool(model)
+        with PagedCache(pool, prefix_cache=False) as cache:
+            if failed == "decode step":
+                model(input_ids=ids, attention_mask=mask, **kw(cache))
+            inputs = dict(input_ids=tok, attention_mask=m2) if failed == "decode step" else dict(
+                input_ids=ids, attention_mask=mask)
+            hook = model.model.layers[0].self_attn.register_forward_hook(  # after layer 0 stored its K/V
+                lambda *_: (_ for _ in ()).throw(RuntimeError("stopped")))
+            with pytest.raises(RuntimeError, match="stopped"):
+                model(**inputs, **kw(cache))
+            hook.remove()
+            assert cache.get_seq_length() == (9 if failed == "decode step" else 0)
+            got = model(**inputs, **kw(cache)).logits
+            if failed == "prefill":
+                torch.testing.assert_close(got[mask.bool()], want_prefill[mask.bool()], rtol=1e-5, atol=1e-5)
+                got = model(input_ids=tok, attention_mask=m2, **kw(cache)).logits
+            torch.testing.assert_close(got, want_step, rtol=1e-5, atol=1e-5)
+        assert pool.stats()["num_used_pages"] == 0
+
+
 @pytest.mark.parametrize("op", ["reorder_cache", "batch_select_indices", "batch_repeat_interleave"])
 def test_a_row_operation_after_a_forward_that_failed_midway_names_crop_and_keeps_the_cache(op):
     # the row operation had forgotten the unfinished step: the next forward ran without a word on a column that
     # layer 1 never filled (stock's layers of different lengths fail there)
-    model = tiny_model("llama", seed=1)
-    ids, mask = left_padded_batch([4, 9], seed=2)
-    m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-    tok = torch.tensor([[5], [6]])
-    kw = lambda cache: {astrai_hf.cache_kwarg(model): cache, "use_cache": True}  # noqa: E731
+    model, ids, mask, m2, tok, kw = _failing_midway_setup()
     rows = {"reorder_cache": torch.tensor([1, 0]), "batch_select_indices": torch.tensor([1, 0]),
             "batch_repeat_interleave": 1}[op]
     pool = PagePool.from_model(model, max_tokens=512, page_size=4)

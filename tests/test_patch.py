@@ -446,6 +446,44 @@ def test_a_deleted_patched_model_frees_its_pool_without_the_garbage_collector_af
         gc.enable()
 
 
+@pytest.mark.equivalence
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_call_that_failed_mid_generation_returns_its_pages_while_the_caller_keeps_the_error(error):
+    # the error's traceback holds the call's frames and so its cache: kept (`except ... as e: err = e`, a notebook's
+    # sys.last_value), only the call's own release returns the pages, not the cache's finaliser
+    import gc
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class FailsAtStep3(LogitsProcessor):
+        def __init__(self):
+            self.steps = 0
+
+        def __call__(self, input_ids, scores):
+            self.steps += 1
+            if self.steps == 3:
+                raise error("the caller's processor failed")
+            return scores
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9, 3])
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    stock = model.generate(ids, **kw)
+    gc.collect()
+    gc.disable()
+    try:
+        with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+            pool = astrai_hf.get_pool(model)
+            with pytest.raises(error) as err:
+                model.generate(ids, **kw, logits_processor=LogitsProcessorList([FailsAtStep3()]))
+            assert err.value.__traceback__ is not None
+            s = pool.stats()
+            assert (s["num_used_pages"], s["num_reqs_used"]) == (0, 0), s
+            assert torch.equal(model.generate(ids, **kw), stock)
+    finally:
+        gc.enable()
+
+
 def test_pools_a_patched_model_checked_are_not_remembered_past_their_life():
     # they were remembered by id(): the set grew by every temporary pool, and a later pool at a freed one's address
     # skipped the check against the model (its own geometry, window, chunking)
