@@ -560,6 +560,28 @@ def test_a_change_made_after_a_loops_first_step_leaves_no_stale_first_graph(capt
         assert _runner(model).replays == 7 + 8
 
 
+def test_a_change_made_inside_a_loop_of_ones_own_drops_the_graphs_captured_before_it(captured):
+    # a bucket captured inside the loop, after the change, takes the model's layout anew: the graphs captured
+    # before the change must go with the old layout (the next call's check sees the model as the layout has it)
+    from astrai_hf import PagedCache
+
+    stock, model = tiny_model("llama"), tiny_model("llama")
+    ids, mask = left_padded_batch([5, 1, 12], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    with _patched(model):
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))  # captures bucket 4
+        with torch.no_grad(), PagedCache(astrai_hf.get_pool(model), prefix_cache=False) as cache:
+            loop = {astrai_hf.cache_kwarg(model): cache, "use_cache": True}
+            out = model(input_ids=torch.tensor([[5, 6, 7, 8]]), **loop)
+            _forward_replaced(model)
+            _forward_replaced(stock)
+            for _ in range(3):  # captures bucket 1, with the change
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), logits_to_keep=1, **loop)
+        assert len(captured) == 2
+        assert torch.equal(model.generate(ids, **kw), stock.generate(ids, **kw))  # bucket 4 captured again
+        assert len(captured) == 3
+
+
 def test_mrope_positions_of_a_text_call_run_the_decode_steps_eagerly(captured):
     # Qwen2-VL's generate() passes positions [4, B, 1] (text plus three M-RoPE axes): the workspace expanded them
     # to [B, 1] and every text call with graphs on failed
