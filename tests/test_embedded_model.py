@@ -61,6 +61,27 @@ def test_cli_generate_answers(smollm, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+def test_a_folder_whose_tokenizer_has_no_pad_token_loads_with_eos_as_pad(smollm, tmp_path):
+    # as the docstring says: padding a batch (padding=True) had raised "Asking to pad but the tokenizer does not
+    # have a padding token"
+    import json
+    import shutil
+
+    from astrai_hf.models import embedded_model_path, load_model
+
+    folder = tmp_path / "no-pad"
+    folder.mkdir()
+    for f in embedded_model_path().iterdir():
+        (folder / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, folder / f.name)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.pop("pad_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    _, tokenizer = load_model(folder)
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>" and tokenizer.padding_side == "left"
+    batch = tokenizer(["a b c", "a"], return_tensors="pt", padding=True)
+    assert batch["attention_mask"][1].tolist()[0] == 0
+
+
 def test_the_converted_folder_loads_padding_on_the_left(smollm, tmp_path, monkeypatch):
     # save_pretrained writes a tokenizer's init kwargs, not its padding_side attribute: the folder had loaded
     # padding on the right, so a plain from_pretrained() script got a batch a patched generate() refuses. A copy

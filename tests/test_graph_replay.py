@@ -582,6 +582,30 @@ def test_a_change_made_inside_a_loop_of_ones_own_drops_the_graphs_captured_befor
         assert len(captured) == 3
 
 
+def test_a_padded_bucket_leaves_the_last_request_row_of_the_pool_untouched(captured):
+    # a bucket's padding rows read and write the trash row of req_to_token, one past the last usable row: a call
+    # holding that last row (the lower ones held by another cache) keeps its K/V
+    from astrai_hf import PagedCache, PagePool
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([7, 3, 10], seed=1)  # 3 rows: the bucket of 4 pads one
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False)
+    want = model.generate(ids, **kw)
+    pool = PagePool.from_model(model, max_tokens=1024, page_size=4, max_reqs=8, prefix_cache=False)
+    assert pool.req_to_token.trash_row == 8
+    astrai_hf.patch(model, pool=pool, cuda_graphs=True)
+    try:
+        other_ids, other_mask = left_padded_batch([4] * 5, seed=2)
+        with PagedCache(pool, other_ids, other_mask) as held:  # rows 0-4
+            model.generate(other_ids, attention_mask=other_mask, max_new_tokens=1,
+                           **{astrai_hf.cache_kwarg(model): held})
+            assert torch.equal(model.generate(ids, **kw), want)  # rows 5, 6 and 7
+            assert pool.stats()["num_reqs_used"] == 5 and len(captured) == 1
+    finally:
+        astrai_hf.unpatch(model)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_mrope_positions_of_a_text_call_run_the_decode_steps_eagerly(captured):
     # Qwen2-VL's generate() passes positions [4, B, 1] (text plus three M-RoPE axes): the workspace expanded them
     # to [B, 1] and every text call with graphs on failed

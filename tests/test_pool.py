@@ -254,6 +254,19 @@ def test_pool_for_another_model_is_refused(llama):
     assert not astrai_hf.is_patched(llama)
 
 
+@pytest.mark.parametrize("missing", ["num_attention_heads", "num_hidden_layers", "both"])
+def test_a_config_without_layer_or_head_counts_gets_a_clear_error(missing):
+    from transformers import PretrainedConfig
+
+    counts = {"num_hidden_layers": 2, "num_attention_heads": 4}
+    for name in list(counts) if missing == "both" else [missing]:
+        counts.pop(name)
+    config = PretrainedConfig(hidden_size=64, vocab_size=96, **counts)
+    with pytest.raises(ValueError, match="cannot read num_hidden_layers / num_attention_heads from Pre[Tt]rainedConfig; a "
+                                         "decoder-only language model config is expected"):
+        PagePool(config, max_tokens=64)
+
+
 def test_pool_of_another_head_size_is_refused_at_patch_time(llama):
     # refused by patch() itself, before a call stores anything (the cache would only see it at the first step)
     head_dim = llama.config.head_dim

@@ -122,13 +122,24 @@ def test_pool_full_is_raised_on_both_ranks(ranks):
     )
 
 
-def test_bad_input_on_one_rank_is_raised_on_both(ranks):
+def test_request_rows_short_on_one_rank_are_raised_on_both_in_rows(ranks):
     _, results = ranks
-    assert results[1]["bad_input_on_rank1"]["error"] == "ValueError"
-    assert "not left-padded" in results[1]["bad_input_on_rank1"]["message"]
-    assert results[0]["bad_input_on_rank1"]["error"] == "ValueError"
-    assert results[0]["bad_input_on_rank1"]["message"] == (
-        f"tensor-parallel rank 1 of 2 raised ValueError: {results[1]['bad_input_on_rank1']['message']}"
+    for r in results:
+        assert r["rows_full_on_rank0"]["error"] == "CacheFullError" and r["rows_full_on_rank0_used_after"] == 0
+    assert "needed 3 request rows, 2 free" in results[0]["rows_full_on_rank0"]["message"]
+    assert results[1]["rows_full_on_rank0"]["message"].startswith(
+        "KV page pool is full: needed 3 request rows, 2 free, 0 evictable (raised on tensor-parallel rank 0 of 2: ")
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_bad_input_on_one_rank_is_raised_on_both(ranks, failing):
+    _, results = ranks
+    name, other = f"bad_input_on_rank{failing}", 1 - failing
+    assert results[failing][name]["error"] == "ValueError"
+    assert "not left-padded" in results[failing][name]["message"]
+    assert results[other][name]["error"] == "ValueError"
+    assert results[other][name]["message"] == (
+        f"tensor-parallel rank {failing} of 2 raised ValueError: {results[failing][name]['message']}"
     )
 
 

@@ -65,13 +65,15 @@ def _bart_decoder():
                                           **_ENC_DEC))
 
 
-def _gemma3n(num_kv_shared_layers=2):
+def _gemma3n(num_kv_shared_layers=2, pattern=("sliding_attention", "full_attention")):
+    """A tiny Gemma 3n of two repeats of ``pattern``, its last ``num_kv_shared_layers`` layers sharing K/V."""
+    n = 2 * len(pattern)
     return T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
         vocab_size=96, vocab_size_per_layer_input=96, hidden_size=64, hidden_size_per_layer_input=8,
-        intermediate_size=[128] * 4, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+        intermediate_size=[128] * n, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=list(pattern) * 2, sliding_window=4,
         num_kv_shared_layers=num_kv_shared_layers, laurel_rank=4, altup_num_inputs=2,
-        activation_sparsity_pattern=[0.0] * 4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        activation_sparsity_pattern=[0.0] * n, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         max_position_embeddings=256))
 
 
@@ -621,23 +623,31 @@ def test_a_model_with_a_sparse_buffer_is_patched():
         assert astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize("shared", [0, 2])
-def test_kv_sharing_layers_read_their_source_layers_pages(shared):
+SLIDING_SLIDING_FULL = ("sliding_attention", "sliding_attention", "full_attention")
+
+
+@pytest.mark.parametrize("shared, pattern, sources", [
+    (0, None, ()), (2, None, (0, 1, 0, 1)), (3, SLIDING_SLIDING_FULL, (0, 1, 2, 1, 1, 2)),
+], ids=["none", "one earlier layer of each type", "two earlier sliding layers"])
+def test_kv_sharing_layers_read_their_source_layers_pages(shared, pattern, sources):
     # Gemma 3n E2B/E4B: the last layers attend over the K/V of the last earlier layer of their type; the pool keeps
-    # one copy (those layers' storage is the source's)
+    # one copy (those layers' storage is the source's, counted once per device too)
     from tiny_models import left_padded_batch
 
-    model = _build("gemma3n", num_kv_shared_layers=shared)
+    layout = {} if pattern is None else {"pattern": pattern}
+    model = _build("gemma3n", num_kv_shared_layers=shared, **layout)
+    n_layers = model.config.num_hidden_layers
     ids, mask = left_padded_batch([9, 4, 13], seed=3)
     with _quiet():
         stock = {n: model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                                    eos_token_id=None, num_beams=n) for n in (1, 2)}
     pool = PagePool.from_model(model, max_tokens=512, page_size=4)
-    if shared:
-        assert pool.config.spec.kv_source == (0, 1, 0, 1)
-        assert pool.storage.k[2] is pool.storage.k[0] and pool.storage.v[3] is pool.storage.v[1]
-    assert pool.stats()["kv_bytes_total"] == PagePool.from_model(
-        _build("gemma3n", num_kv_shared_layers=0), max_tokens=512, page_size=4).stats()["kv_bytes_total"] * (4 - shared) // 4
+    assert pool.config.spec.kv_source == sources
+    for layer, source in enumerate(sources):
+        assert pool.storage.k[layer] is pool.storage.k[source] and pool.storage.v[layer] is pool.storage.v[source]
+    unshared = PagePool.from_model(_build("gemma3n", num_kv_shared_layers=0, **layout), max_tokens=512, page_size=4)
+    assert pool.stats()["kv_bytes_total"] == unshared.stats()["kv_bytes_total"] * (n_layers - shared) // n_layers
+    assert sum(pool.stats()["kv_bytes_by_device"].values()) == pool.stats()["kv_bytes_total"]
     astrai_hf.patch(model, pool=pool)
     for _ in range(2):  # the second round is served from the prefix cache
         for n, ref in stock.items():

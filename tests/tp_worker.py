@@ -103,6 +103,20 @@ def main(model_dir: str, mqa_dir: str, reference_path: str, out_dir: str) -> Non
 
     attempt("full_on_rank1", full_on_rank1)
 
+    # 4b. rank 0 alone short of request rows (it holds one of 3): both ranks raise it, in request rows
+    def rows_full_on_rank0():
+        rows_pool = PagePool.from_model(model, max_tokens=256, page_size=4, max_reqs=3)
+        astrai_hf.patch(model, pool=rows_pool)
+        taken = rows_pool.req_to_token.alloc(1) if rank == 0 else []
+        try:
+            model.generate(tensor("ids1"), attention_mask=tensor("mask1"), **greedy)  # 3 rows
+        finally:
+            result["rows_full_on_rank0_used_after"] = rows_pool.stats()["num_reqs_used"] - len(taken)
+            rows_pool.req_to_token.free(taken)
+        return "no error"
+
+    attempt("rows_full_on_rank0", rows_full_on_rank0)
+
     # 5. a bad input (right padding) on rank 1 only: ValueError on both ranks
     astrai_hf.patch(model, pool=pool)
 
@@ -113,6 +127,14 @@ def main(model_dir: str, mqa_dir: str, reference_path: str, out_dir: str) -> Non
         return model.generate(tensor("ids1"), attention_mask=mask, **greedy).tolist()
 
     attempt("bad_input_on_rank1", bad_input_on_rank1)
+
+    def bad_input_on_rank0():  # (the lowest rank: the others name it and carry its message)
+        mask = tensor("mask1")
+        if rank == 0:
+            mask = mask.flip(-1)
+        return model.generate(tensor("ids1"), attention_mask=mask, **greedy).tolist()
+
+    attempt("bad_input_on_rank0", bad_input_on_rank0)
 
     # 6. after all that the first pool still generates the reference tokens
     attempt("after_errors", lambda: model.generate(tensor("ids1"), attention_mask=tensor("mask1"), **greedy).tolist())
