@@ -80,10 +80,6 @@ class KVStorage:
             k[dst : dst + num_tokens].copy_(k[src : src + num_tokens])
             v[dst : dst + num_tokens].copy_(v[src : src + num_tokens])
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
 
 def gather_kv(cache: torch.Tensor, slots: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """One layer's K or V at ``slots``, as attention reads it.
