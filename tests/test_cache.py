@@ -58,6 +58,29 @@ def test_page_boundaries(llama, prompt_len, new_tokens):
     assert pool.stats()["num_used_pages"] == 0
 
 
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_pool_whose_memory_starts_as_nan_gives_stocks_tokens(llama, monkeypatch, patched):
+    # a new pool's memory is uninitialised, save the trash page: padding reads it (masked out, but a masked
+    # column's V still enters the weighted sum as 0 * V), so it must hold zeros, not whatever was there
+    from astrai_hf import storage
+
+    empty = storage._empty_head_major
+    monkeypatch.setattr(storage, "_empty_head_major", lambda *args: empty(*args).fill_(float("nan")))
+    ids, mask = left_padded_batch([PAGE + 1, 1, 2 * PAGE], seed=5)
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=PAGE + 1)
+    ref = llama.generate(ids, **kwargs)
+    pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
+    assert pool.storage.v[0].isnan().any() and not pool.storage.v[0][:PAGE].isnan().any()
+    if patched:
+        with astrai_hf.patched(llama, pool=pool):
+            out = llama.generate(ids, **kwargs)
+    else:
+        with PagedCache(pool) as cache:
+            out = llama.generate(ids, **kwargs, **{_kw(llama): cache})
+    assert torch.equal(out, ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_no_leak_over_many_calls(llama):
     pool = PagePool.from_model(llama, max_tokens=256, page_size=PAGE)
     astrai_hf.patch(llama, pool=pool)
