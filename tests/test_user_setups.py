@@ -187,6 +187,11 @@ def test_a_cache_implementation_in_the_models_generation_config_does_not_turn_th
         out = model.generate(ids, attention_mask=mask, cache_implementation="static", return_dict_in_generate=True,
                              **GREEDY)
         assert type(out.past_key_values).__name__ == "StaticCache"
+        # but "hybrid" asked for in the call is the default cache (generate() drops it): paged, as without it
+        hits = astrai_hf.get_pool(model).stats()["prefix_hit_tokens"]
+        out = model.generate(ids, attention_mask=mask, cache_implementation="hybrid", return_dict_in_generate=True,
+                             **GREEDY)
+        assert torch.equal(out.sequences, ref) and astrai_hf.get_pool(model).stats()["prefix_hit_tokens"] > hits
 
 
 def test_transformers_continuous_batching_asked_of_generate_runs_as_stock():
@@ -276,6 +281,33 @@ def test_a_generation_config_passed_positionally_is_honoured():
     real = mask.bool()  # padding columns hold meaningless states, computed differently
     for got, want in zip(got_hidden.hidden_states[0], ref_hidden.hidden_states[0]):
         torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=8), dict(max_length=38)])
+def test_a_batch_whose_longest_row_overflows_max_seq_len_is_refused_up_front(length):
+    # the longest row sets the length (a short row beside it, whose padding takes most of the width, does not): the
+    # call had run its prefill and failed at the 3rd step, with less to say
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 30], seed=1)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4, max_seq_len=32):
+        with pytest.raises(ValueError, match=r"prompt \(30 tokens\) plus new tokens reaches 38 tokens, more than the "
+                                             r"pool's max_seq_len=32; give the pool patch\(\) builds room"):
+            model.generate(ids, attention_mask=mask, do_sample=False, **length)
+        assert _used(astrai_hf.get_pool(model)) == 0 and astrai_hf.get_pool(model).stats()["num_cached_pages"] == 0
+
+
+def test_a_call_without_a_length_stops_at_max_position_embeddings_as_stock():
+    # generate()'s default length (20 new tokens) is capped at the model's max_position_embeddings: no refusal
+    model = tiny_model("llama", max_position_embeddings=32)
+    ids, mask = left_padded_batch([20, 14], seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (stock warns of the length it caps)
+        want = model.generate(ids, attention_mask=mask, do_sample=False)
+        assert want.shape == (2, 32)
+        with astrai_hf.patched(model, max_tokens=512, page_size=4):
+            assert astrai_hf.get_pool(model).max_seq_len == 32
+            assert torch.equal(model.generate(ids, attention_mask=mask, do_sample=False), want)
+            assert _used(astrai_hf.get_pool(model)) == 0
 
 
 def test_kv_computed_under_autocast_never_serve_a_later_call_in_the_pools_dtype():
@@ -2119,6 +2151,27 @@ def test_candidate_decoding_continued_on_the_returned_cache_gives_the_tokens_of_
                                **{name: getattr(first, name)})
         assert _used(astrai_hf.get_pool(patched)) == 0
     _assert_same_output(got, model.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=4, **kw))
+
+
+@pytest.mark.parametrize("returned", [1, 2], ids=["best beam", "every beam"])
+@pytest.mark.parametrize("before_last", [1, 2])
+def test_a_hole_among_the_columns_the_returned_cache_of_beams_holds_is_refused(before_last, returned):
+    # stock's cache holds K/V of later columns that attended the masked one; the returned cache of beams (which
+    # records no tokens, also where the rows returned are as many as the beams) runs as a fresh one: refused
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([6, 6], seed=1)
+    name = astrai_hf.cache_kwarg(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_beams=2,
+                               num_return_sequences=returned, return_dict_in_generate=True)
+        held = getattr(first, name).get_seq_length()
+        hole = torch.ones_like(first.sequences)
+        hole[0, held - 1 - before_last] = 0  # the last column the cache holds stays unmasked
+        with pytest.raises(ValueError, match=rf"attention_mask rows \[0\] mask a column among the {held} the cache "
+                                             r"passed in holds, before one they leave unmasked"):
+            model.generate(first.sequences, attention_mask=hole, max_new_tokens=4, do_sample=False,
+                           **{name: getattr(first, name)})
+        assert _used(astrai_hf.get_pool(model)) == 0
 
 
 @pytest.mark.parametrize("call", ["beams", "inputs_embeds"])
