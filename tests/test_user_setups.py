@@ -1028,11 +1028,21 @@ def test_the_returned_cache_of_several_samples_per_prompt_passed_back_with_other
         assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
 
 
+_ROPES_BY_LENGTH = {
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    # short factors up to position 16, long ones past it (head_dim 16: 8 factors each)
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8, "factor": 4.0,
+                 "rope_theta": 10000.0, "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("kind", list(_ROPES_BY_LENGTH))
 @pytest.mark.parametrize("where", ["config", "module swapped before patch", "module swapped after patch"])
-def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_chunks(where):
+def test_a_rope_that_depends_on_the_forwards_length_gets_no_prefix_reuse_and_no_chunks(where, kind):
     # a rotary module built from a dynamic-NTK config swapped into a model whose config still says "default" (a
-    # context-extension recipe): prefixes had been reused, rotated for a shorter forward (scores 1.45 off)
-    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    # context-extension recipe): prefixes had been reused, rotated for a shorter forward (scores 1.45 off); a
+    # longrope model's chunks below its original length had taken the short factors (scores 1.7e-3 off)
+    rope = _ROPES_BY_LENGTH[kind]
 
     def swap_rotary(m):
         config = copy.deepcopy(m.config)
@@ -2023,6 +2033,16 @@ def _soft_prompt(model, ids):
     return embeds
 
 
+def _assert_turns_as_stocks(model, run):
+    """``run(model)``'s outputs (a list of generate() outputs) patched, with its pages back after, equal stock's."""
+    ref = run(model)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
+        got = run(patched)
+        assert _used(astrai_hf.get_pool(patched)) == 0
+    for g, r in zip(got, ref, strict=True):
+        _assert_same_output(g, r, tol=1e-4)
+
+
 @pytest.mark.parametrize("turns", ["embeds, then ids", "ids, then embeds", "embeds, ids, embeds",
                                    "embeds, ids, ids", "embeds and ids, then ids", "embeds, then a hole"])
 def test_the_returned_cache_of_a_call_fed_inputs_embeds_continues_from_those_embeddings_as_stocks(turns):
@@ -2062,12 +2082,7 @@ def test_the_returned_cache_of_a_call_fed_inputs_embeds_continues_from_those_emb
             seq = torch.cat([seq, out.sequences[:, seq.shape[1]:] if "inputs" in fed else out.sequences], 1)
         return outs
 
-    ref = run(model)
-    with astrai_hf.patched(model, max_tokens=1024, page_size=4) as patched:
-        got = run(patched)
-        assert _used(astrai_hf.get_pool(patched)) == 0
-    for g, r in zip(got, ref, strict=True):
-        _assert_same_output(g, r, tol=1e-4)
+    _assert_turns_as_stocks(model, run)
 
 
 @pytest.mark.parametrize("call", ["beams", "inputs_embeds"])
@@ -2208,6 +2223,27 @@ def test_a_continuation_with_a_hole_on_the_returned_cache_of_a_call_that_records
     if call == "inputs_embeds":  # (stock's first forward covers the columns after its cache's)
         for a, b in zip(got.hidden_states[0], ref.hidden_states[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_returned_cache_of_samples_from_inputs_embeds_continues_each_sample_as_stocks():
+    # num_return_sequences=2 from a soft prompt: each sample is a row of stock's cache, computed from its prompt's
+    # embeddings, which the next turn continues (recorded once per prompt, not per sample, it failed: 2 rows, 4)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([6, 9], seed=1)
+    more = torch.randint(3, 96, (4, 2), generator=torch.Generator().manual_seed(2))
+    name = astrai_hf.cache_kwarg(model)
+    kw = dict(max_new_tokens=4, return_dict_in_generate=True, output_scores=True)
+
+    def run(m):
+        torch.manual_seed(0)
+        first = m.generate(inputs_embeds=_soft_prompt(m, ids), attention_mask=mask, do_sample=True,
+                           num_return_sequences=2, **kw)
+        seq = torch.cat([ids.repeat_interleave(2, dim=0), first.sequences, more], 1)
+        grown = torch.cat([mask.repeat_interleave(2, dim=0), torch.ones(4, seq.shape[1] - ids.shape[1],
+                                                                        dtype=mask.dtype)], 1)
+        return first, m.generate(seq, attention_mask=grown, do_sample=False, **kw, **{name: getattr(first, name)})
+
+    _assert_turns_as_stocks(model, run)
 
 
 def test_a_hole_among_the_columns_a_returned_cache_of_inputs_embeds_holds_gives_stocks_tokens():
