@@ -203,6 +203,8 @@ def test_capture_graphs_captures_every_bucket_largest_first_then_generate_only_r
     finally:
         astrai_hf.unpatch(model)
     assert pool.stats()["num_used_pages"] == 0
+    # unpatch() frees the graphs and their workspace (device memory) at once, not when the runner is collected
+    assert runner.graphs == {} and runner.workspace is None
 
 
 def test_capture_graphs_refuses_an_unpatched_or_eager_model():

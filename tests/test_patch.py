@@ -120,6 +120,15 @@ def test_patching_a_patched_model_with_sizing_makes_that_pool_and_patched_restor
         assert not state.pack_prefill and state.prefill_chunk_tokens == 7
         with pytest.raises(ValueError, match="either a pool or pool sizing"):
             astrai_hf.patch(model, first, max_tokens=64)
+        # the sizing patch() built the first pool with is back too: the model moved, its pool is built again so
+        with astrai_hf.patched(model, PagePool.from_model(model, max_tokens=128)):
+            pass
+        ids, mask = left_padded_batch([5, 3])
+        for dtype in (torch.bfloat16, torch.float32):
+            model.to(dtype)
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+            pool = astrai_hf.get_pool(model)
+            assert (pool.dtype, pool.page_size, pool.stats()["num_pages"]) == (dtype, 4, 256 // 4)
     finally:
         astrai_hf.unpatch(model)
 
