@@ -135,8 +135,6 @@ def _first_line(error: Exception) -> str:
 
 def _run_script(args) -> int:
     import os
-    import runpy
-    import zipfile
 
     import astrai_hf.patches.autopatch as autopatch
 
@@ -149,20 +147,44 @@ def _run_script(args) -> int:
         return 2
     env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
            "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
-    os.environ.update({k: str(v) for k, v in env.items() if v is not None})
-    handler = None
-    if not args.quiet:  # one line per patched model, so a user sees the switch took effect
-        import logging
-
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        autopatch.logger.addHandler(handler)
-        autopatch.logger.setLevel(logging.INFO)
+    env = {k: str(v) for k, v in env.items() if v is not None}
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_level, handler = autopatch.logger.level, None
+    os.environ.update(env)
     try:
-        autopatch.install()
-    except (ValueError, TypeError) as e:  # an ASTRAI_HF_* variable that is not a setting
-        print(f"astrai-hf run: {e}", file=sys.stderr)
-        return 2
+        if not args.quiet:  # one line per patched model, so a user sees the switch took effect
+            import logging
+
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            autopatch.logger.addHandler(handler)
+            autopatch.logger.setLevel(logging.INFO)
+        try:
+            autopatch.install()
+        except (ValueError, TypeError) as e:  # an ASTRAI_HF_* variable that is not a setting
+            print(f"astrai-hf run: {e}", file=sys.stderr)
+            return 2
+        _run_installed(script, args)
+    finally:  # (a caller of main() in Python keeps its process: its environment and logging as they were)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if handler is not None:
+            autopatch.logger.removeHandler(handler)
+            autopatch.logger.setLevel(saved_level)
+    return 0
+
+
+def _run_installed(script: Path, args) -> None:
+    """Run ``script`` as ``python script args...`` would, with ``autopatch`` installed, which is uninstalled after
+    (a ``SystemExit`` of the script's passes through, its code the command's exit code)."""
+    import runpy
+    import zipfile
+
+    import astrai_hf.patches.autopatch as autopatch
+
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [args.script, *args.args]
     if script.is_file() and not zipfile.is_zipfile(script):  # (runpy puts a folder or zip of __main__.py first itself)
@@ -182,10 +204,7 @@ def _run_script(args) -> int:
                     print(f"astrai-hf: {type(model).__name__} {json.dumps(astrai_hf.get_pool(model).stats())}",
                           file=sys.stderr)
         autopatch.uninstall()
-        if handler is not None:
-            autopatch.logger.removeHandler(handler)
         del namespace
-    return 0
 
 
 def _chat_inputs(tokenizer, conversations):

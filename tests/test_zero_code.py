@@ -2,6 +2,8 @@
 
 import copy
 import json
+import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -134,6 +136,15 @@ def test_run_gives_the_script_its_own_folder_on_sys_path_and_refuses_a_missing_o
     (folder / "__main__.py").write_text("print('from the folder')\n")
     assert main(["run", "--quiet", str(folder)]) == 0
     assert capsys.readouterr().out == "from the folder\n" and sys.path == before
+    # a zip of __main__.py has itself first on sys.path, not the folder it lies in, as with `python app.zip`
+    import zipfile
+
+    (tmp_path / "beside_the_zip.py").write_text("")
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as z:
+        z.writestr("__main__.py", "import importlib.util\nprint(importlib.util.find_spec('beside_the_zip'))\n")
+    plain = subprocess.run([sys.executable, str(tmp_path / "app.zip")], capture_output=True, text=True, timeout=60)
+    assert main(["run", "--quiet", str(tmp_path / "app.zip")]) == 0
+    assert capsys.readouterr().out == plain.stdout == "None\n" and sys.path == before
     (tmp_path / "empty").mkdir()
     assert main(["run", str(tmp_path / "empty")]) == 2
     assert "is a folder without a __main__.py" in capsys.readouterr().err
@@ -156,6 +167,41 @@ def test_run_gives_the_script_an_absolute_file(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--quiet", "reads.py"]) == 0
     assert capsys.readouterr().out == "True reads.py beside the script\n"
+
+
+_RUN_ENV = ("ASTRAI_HF_MAX_TOKENS", "ASTRAI_HF_PAGE_SIZE", "ASTRAI_HF_PREFIX_CACHE")
+
+
+def test_run_runs_the_script_as_python_does_and_leaves_the_callers_process_as_it_was(
+        tmp_path, capsys, monkeypatch, request):
+    # as `python exits.py --model gpt2 x`: its own arguments (its own --model among them), as __main__, its exit
+    # code; after it (and after sizes refused before it) sys.argv, the ASTRAI_HF_* variables and the logger are
+    # the caller's again: a refusal had left its variables and a logging handler behind (each later patch logged
+    # twice)
+    for name in _RUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    script = tmp_path / "exits.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        if __name__ == "__main__":
+            print(sys.argv[1:], os.environ.get("ASTRAI_HF_PREFIX_CACHE"), os.environ.get("ASTRAI_HF_PAGE_SIZE"))
+            sys.exit(3)
+    """))
+    request.addfinalizer(lambda level=autopatch.logger.level: autopatch.logger.setLevel(level))
+    autopatch.logger.setLevel(logging.WARNING)  # (a level of the caller's own, not run's INFO)
+    before = list(sys.argv), list(autopatch.logger.handlers), logging.WARNING
+
+    def left_as_it_was():
+        assert (sys.argv, autopatch.logger.handlers, autopatch.logger.level) == before
+        assert not [name for name in _RUN_ENV if name in os.environ]
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--no-prefix-cache", "--page-size", "8", str(script), "--model", "gpt2", "x"])
+    assert e.value.code == 3 and capsys.readouterr().out == "['--model', 'gpt2', 'x'] 0 8\n"
+    left_as_it_was()
+    assert main(["run", "--max-tokens", "8", "--page-size", "16", str(script)]) == 2
+    assert capsys.readouterr().err == "astrai-hf run: max_tokens=8 is smaller than one page (page_size=16)\n"
+    left_as_it_was()
 
 
 def _logits(model, ids, mask):
