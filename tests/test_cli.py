@@ -286,3 +286,77 @@ def test_load_model_names_a_device_it_cannot_use_before_loading(device, text, mo
     monkeypatch.setattr(T.AutoTokenizer, "from_pretrained", no_load)
     with pytest.raises(ValueError, match=text):
         load_model(device=device)
+
+
+def test_a_first_line_of_an_error_without_a_message_is_its_class():
+    from astrai_hf.cli import _first_line
+
+    assert _first_line(OSError()) == "OSError" and _first_line(ValueError("  \n ")) == "ValueError"
+
+
+def test_token_counts_default_to_what_the_help_says(monkeypatch, capsys):
+    import astrai_hf.cli as cli
+
+    seen = []
+    monkeypatch.setattr(astrai_hf.models, "load_model", lambda path=None: (None, None))
+    monkeypatch.setattr(cli, "_demo", lambda model, tokenizer, n: seen.append(("demo", n)) or 0)
+    monkeypatch.setattr(cli, "_generate", lambda model, tokenizer, prompt, n, sample: seen.append((prompt, n)) or 0)
+    assert main(["demo"]) == main(["generate", "hi"]) == 0
+    assert seen == [("demo", 48), ("hi", 128)]
+    for command, default in (("demo", 48), ("generate", 128)):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"(default {default})" in capsys.readouterr().out
+
+
+class _ChatTokenizer:
+    """What the generate command asks of a tokenizer (a chat template, a batch, decoding), over a tiny model's ids."""
+
+    def apply_chat_template(self, conversation, add_generation_prompt, tokenize):
+        return conversation[-1]["content"]
+
+    def __call__(self, texts, return_tensors, padding, add_special_tokens):
+        ids = torch.tensor([[3 + len(word) for word in text.split()] for text in texts])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def decode(self, ids, **kwargs):
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "--sample"])
+def test_generate_samples_only_when_asked(sample, monkeypatch, capsys):
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(astrai_hf.models, "load_model", lambda path=None: (model, _ChatTokenizer()))
+    draws, multinomial = [], torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: draws.append(1) or multinomial(*a, **k))
+    try:
+        assert main(["generate", "one two three", "--max-new-tokens", "3", *(["--sample"] if sample else [])]) == 0
+    finally:
+        astrai_hf.unpatch(model)
+    assert len(draws) == (3 if sample else 0)
+    assert len(capsys.readouterr().out.split()) == 3  # the new tokens, streamed
+
+
+def test_bench_runs_the_suites_asked_for_with_the_repeats_given(monkeypatch, capsys):
+    from astrai_hf import bench, bench_prefill, bench_prefix
+
+    calls = []
+    monkeypatch.setattr(astrai_hf.models, "load_model", lambda path=None: ("model", "tokenizer"))
+    monkeypatch.setattr(bench, "environment", lambda model: {})
+    monkeypatch.setattr(bench, "run", lambda model, tokenizer, progress: calls.append("decode") or ([], {}))
+    monkeypatch.setattr(bench, "to_markdown", lambda rows, env: "decode table")
+    monkeypatch.setattr(bench_prefix, "run", lambda model, tokenizer, progress: calls.append("prefix"))
+    monkeypatch.setattr(bench_prefill, "run",
+                        lambda model, tokenizer, repeats, progress: calls.append(f"prefill x{repeats}"))
+    for module in (bench_prefix, bench_prefill):
+        monkeypatch.setattr(module, "to_markdown", lambda results, env, name=module.__name__: f"{name} table")
+        monkeypatch.setattr(module, "as_dict", lambda results: {})
+    assert main(["bench"]) == 0
+    assert calls == ["decode", "prefix", "prefill x3"]
+    assert [line for line in capsys.readouterr().out.splitlines() if line.endswith("table")] == [
+        "decode table", "astrai_hf.bench_prefix table", "astrai_hf.bench_prefill table"]
+    calls.clear()
+    assert main(["bench", "--suite", "prefill", "--repeats", "5"]) == 0
+    assert calls == ["prefill x5"]

@@ -142,6 +142,18 @@ def test_interrupts_deferred_delivers_sigint_at_the_end_and_nests():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_an_error_inside_interrupts_deferred_puts_the_handler_back():
+    # an error inside the books (CacheFullError, a bad row index) had left the holding handler in place: every
+    # later Ctrl-C was held for a block that had ended, and lost
+    with pytest.raises(RuntimeError, match="inside the books"):
+        with interrupts_deferred():
+            raise RuntimeError("inside the books")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        _ctrl_c()
+        signal.getsignal(signal.SIGINT)  # (a bytecode after the kill, where it lands)
+
+
 def test_releasing_collected_caches_outside_the_books_defers_ctrl_c_until_the_books_are_consistent():
     """``release_garbage_caches()`` is public: called outside any ``books()`` block, the rows of caches collected
     meanwhile are released inside one that defers Ctrl-C (a block was taken for nested and let Ctrl-C in)."""
@@ -179,15 +191,16 @@ def test_interrupts_deferred_is_a_no_op_off_the_main_thread():
 
 @pytest.mark.parametrize("disposition", [signal.SIG_IGN, "user handler"])
 def test_interrupts_deferred_keeps_the_callers_sigint_setting(disposition):
-    calls = []
-    handler = (lambda signum, frame: calls.append(signum)) if disposition == "user handler" else disposition
+    calls = []  # (the signal, and whether a frame came with it, as Python hands its handlers one)
+    handler = (lambda signum, frame: calls.append((signum, frame is not None))) if disposition == "user handler" \
+        else disposition
     old = signal.signal(signal.SIGINT, handler)
     try:
         with interrupts_deferred():
             _ctrl_c()
             assert calls == []  # held back inside
         assert signal.getsignal(signal.SIGINT) is handler
-        assert calls == ([signal.SIGINT] if disposition == "user handler" else [])
+        assert calls == ([(signal.SIGINT, True)] if disposition == "user handler" else [])
     finally:
         signal.signal(signal.SIGINT, old)
 
