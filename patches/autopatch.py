@@ -112,5 +112,6 @@ def uninstall() -> None:
 
 
 def patched_models() -> list:
-    """The models the hook has seen (patched, or left alone because they cannot be), oldest first."""
+    """The models the hook has seen and that are still alive (patched, or left alone because they cannot be), in
+    no particular order (they are held weakly, in a ``weakref.WeakSet``)."""
     return list(_models)

@@ -30,6 +30,23 @@ def test_every_committed_run_redraws_the_suites_it_holds(run, tmp_path):
 def test_cli_redraw(tmp_path, capsys):
     assert plots.main([str(RESULTS[-1]), str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 10_000
+    import shutil
+
+    folder = shutil.copytree(RESULTS[-1], tmp_path / "run")
+    assert plots.main([str(folder)]) == 0  # no chart named: it goes into the folder, beside the results
+    assert capsys.readouterr().out.split() == [str(tmp_path / "c.png"), str(folder / "chart.png")]
+    assert (folder / "chart.png").stat().st_size > 10_000
+
+
+def test_cli_names_a_folder_without_results_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        plots.main([str(tmp_path)])
+    assert e.value.code == 2 and "error: no known benchmark suite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["chart", "chart.PNG", "chart.Svg"])
+def test_a_chart_path_without_a_suffix_or_in_capitals_is_taken(name, tmp_path):
+    plots.check_plot_path(tmp_path / name)  # (matplotlib writes a PNG where there is no suffix)
 
 
 def test_nothing_to_draw(tmp_path):

@@ -79,10 +79,14 @@ def test_autopatch_leaves_unpatchable_models_alone(caplog):
     try:
         with caplog.at_level("WARNING", logger="astrai_hf"):
             out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
     finally:
         autopatch.uninstall()
     assert torch.equal(out, ref) and not astrai_hf.is_patched(model)
     assert "left FalconForCausalLM unpatched" in caplog.text
+    # seen once: a second call neither tries nor warns again, and the model is among those the hook has seen
+    assert caplog.text.count("left FalconForCausalLM unpatched") == 1
+    assert any(m is model for m in autopatch.patched_models())
 
 
 def test_settings_from_env():
@@ -95,6 +99,8 @@ def test_settings_from_env():
         assert autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": off}) == {"prefix_cache": False}
     for on in ("1", "true", "yes", ""):
         assert autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": on}) == {}
+    # set but empty (`export ASTRAI_HF_MAX_TOKENS=`): unset, as for the prefix cache
+    assert autopatch.settings_from_env({"ASTRAI_HF_MAX_TOKENS": "", "ASTRAI_HF_PAGE_SIZE": ""}) == {}
     with pytest.raises(ValueError, match="ASTRAI_HF_PREFIX_CACHE='maybe'"):
         autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": "maybe"})
 
@@ -107,6 +113,9 @@ def test_autopatch_checks_its_sizes_up_front_and_never_falls_back_to_stock_after
     for sizes in (dict(max_tokens=8, page_size=16), dict(max_tokens=10)):  # (had raised in the script, at generate())
         with pytest.raises(ValueError, match=r"max_tokens=(8|10) is smaller than one page \(page_size=16\)"):
             autopatch.install(**sizes)
+    for name in ("max_seq_len", "max_reqs"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int, got 0"):
+            autopatch.install(**{name: 0})
     model = tiny_model("llama")
     ids, mask = left_padded_batch([4, 6], seed=2)
 
@@ -122,6 +131,26 @@ def test_autopatch_checks_its_sizes_up_front_and_never_falls_back_to_stock_after
         assert not astrai_hf.is_patched(model)
     finally:
         autopatch.uninstall()
+
+
+def test_install_is_idempotent_and_its_arguments_win_over_the_environment(monkeypatch):
+    from transformers.generation.utils import GenerationMixin
+
+    stock = GenerationMixin.generate
+    monkeypatch.setenv("ASTRAI_HF_PAGE_SIZE", "8")
+    monkeypatch.setenv("ASTRAI_HF_MAX_TOKENS", "256")
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([4, 6], seed=2)
+    autopatch.install(page_size=4)
+    autopatch.install()  # a second install keeps the first one's hook and settings
+    try:
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+        pool = astrai_hf.get_pool(model)
+        assert (pool.page_size, pool.stats()["num_pages"]) == (4, 256 // 4)
+    finally:
+        autopatch.uninstall()
+        astrai_hf.unpatch(model)
+    assert GenerationMixin.generate is stock  # one uninstall takes the hook off
 
 
 def test_run_gives_the_script_its_own_folder_on_sys_path_and_refuses_a_missing_one(tmp_path, capsys):
