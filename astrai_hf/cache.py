@@ -1863,14 +1863,14 @@ def cache_kwarg(model) -> str:
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"cache_kwarg() takes a transformers model (a torch.nn.Module), got {type(model).__name__}")
-    model = _underlying(model)  # (a torch.compile wrapper's forward takes *args, **kwargs)
+    model = underlying_model(model)  # (a torch.compile wrapper's forward takes *args, **kwargs)
     get_base_model = getattr(model, "get_base_model", None)  # a peft wrapper's forward takes **kwargs
     base = get_base_model() if callable(get_base_model) else None
     target = base if isinstance(base, torch.nn.Module) else model
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
-def _underlying(model: torch.nn.Module) -> torch.nn.Module:
+def underlying_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model a ``torch.compile`` wrapper (``OptimizedModule``) holds, else ``model``: the wrapper forwards
     ``generate`` and other attributes to it, so patching the wrapper itself would patch half of each."""
     inner = getattr(model, "_modules", {}).get("_orig_mod")  # OptimizedModule holds it as a submodule

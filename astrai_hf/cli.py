@@ -135,6 +135,7 @@ def _first_line(error: Exception) -> str:
 
 def _run_script(args) -> int:
     import os
+    from unittest import mock
 
     import astrai_hf.patches.autopatch as autopatch
 
@@ -147,33 +148,27 @@ def _run_script(args) -> int:
         return 2
     env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
            "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
-    env = {k: str(v) for k, v in env.items() if v is not None}
-    saved_env = {k: os.environ.get(k) for k in env}
     saved_level, handler = autopatch.logger.level, None
-    os.environ.update(env)
-    try:
-        if not args.quiet:  # one line per patched model, so a user sees the switch took effect
-            import logging
-
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            autopatch.logger.addHandler(handler)
-            autopatch.logger.setLevel(logging.INFO)
+    # (a caller of main() in Python keeps its process: its environment and logging as they were, on every way out)
+    with mock.patch.dict(os.environ, {k: str(v) for k, v in env.items() if v is not None}):
         try:
-            autopatch.install()
-        except (ValueError, TypeError) as e:  # an ASTRAI_HF_* variable that is not a setting
-            print(f"astrai-hf run: {e}", file=sys.stderr)
-            return 2
-        _run_installed(script, args)
-    finally:  # (a caller of main() in Python keeps its process: its environment and logging as they were)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if handler is not None:
-            autopatch.logger.removeHandler(handler)
-            autopatch.logger.setLevel(saved_level)
+            if not args.quiet:  # one line per patched model, so a user sees the switch took effect
+                import logging
+
+                handler = logging.StreamHandler(sys.stderr)
+                handler.setFormatter(logging.Formatter("%(message)s"))
+                autopatch.logger.addHandler(handler)
+                autopatch.logger.setLevel(logging.INFO)
+            try:
+                autopatch.install()
+            except (ValueError, TypeError) as e:  # an ASTRAI_HF_* variable that is not a setting
+                print(f"astrai-hf run: {e}", file=sys.stderr)
+                return 2
+            _run_installed(script, args)
+        finally:
+            if handler is not None:
+                autopatch.logger.removeHandler(handler)
+                autopatch.logger.setLevel(saved_level)
     return 0
 
 

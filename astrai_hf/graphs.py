@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from .attention.reference import _attend
+from .attention.reference import attend
 from .cache import autocast_on
 from .metadata import StepMetadata
 from .packing import last_logits_only, padding_check_skipped
@@ -171,7 +171,7 @@ def graph_decode_attention(query, k_cache, v_cache, step: GraphStep, *, scaling,
     allowed = t < seq
     if sliding_window is not None:
         allowed &= t >= seq - sliding_window
-    out = _attend(query, keys, values, allowed[:, None, None, :], False, scaling, softcap)
+    out = attend(query, keys, values, allowed[:, None, None, :], False, scaling, softcap)
     return out.transpose(1, 2).contiguous()
 
 

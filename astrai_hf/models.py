@@ -88,9 +88,9 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
             raise TypeError(f"name must be a str, a path or None, got {type(name).__name__}")
         name = os.fspath(name)
     if device is not None:
-        from .pool import _as_device
+        from .pool import as_device
 
-        device = _as_device(device)  # before the weights load: a device this process cannot use is named at once
+        device = as_device(device)  # before the weights load: a device this process cannot use is named at once
     is_gguf = name is not None and name.lower().endswith(".gguf")
     if (name is not None and not Path(name).expanduser().exists()
             and (name.startswith((".", "/", "~")) or name.count("/") > 1 or is_gguf)):

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from . import attention, packing
-from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, _underlying, autocast_on, cache_kwarg,
-                    check_rows_have_tokens, empty_rows, forget_rope_deltas, left_padding)
+from .cache import (PATCH_STATE_ATTR, HeldTokens, PagedCache, autocast_on, cache_kwarg, check_rows_have_tokens,
+                    empty_rows, forget_rope_deltas, left_padding, underlying_model)
 from .config import (OWN_ATTENTION, KVSpec, as_count, as_flag, class_attr, class_defines,
                      rope_depends_on_length)
 from .distributed import agree
@@ -179,7 +179,7 @@ def patch(
         raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}: {pool!r}")
     _check_pool_kwargs(pool_kwargs)
     _warn_untested_transformers()
-    given, model = model, _underlying(_as_module("patch()", model))
+    given, model = model, underlying_model(_as_module("patch()", model))
     state = getattr(model, _STATE_ATTR, None)
     if state is None and not callable(getattr(model, "generate", None)):
         raise TypeError(
@@ -307,7 +307,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
     """
-    given, model = model, _underlying(_as_module("unpatch()", model))
+    given, model = model, underlying_model(_as_module("unpatch()", model))
     state = model.__dict__.get(_STATE_ATTR)
     if state is None:
         _scrub_orphaned_modules(model)
@@ -527,7 +527,7 @@ def patched(model: torch.nn.Module, pool: PagePool | None = None, **kwargs) -> I
     Yields:
         the patched model.
     """
-    state = getattr(_underlying(model), _STATE_ATTR, None)
+    state = getattr(underlying_model(model), _STATE_ATTR, None)
     previous = None
     if state is not None:
         previous = {name: getattr(state, name) for name in ("pool", "own_pool_kwargs", "pack_prefill",
@@ -551,7 +551,7 @@ def get_pool(model: torch.nn.Module) -> PagePool:
         TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: the model is not patched.
     """
-    state = getattr(_underlying(_as_module("get_pool()", model)), _STATE_ATTR, None)
+    state = getattr(underlying_model(_as_module("get_pool()", model)), _STATE_ATTR, None)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not patched; call astrai_hf.patch(model) first")
     return state.pool
@@ -560,7 +560,7 @@ def get_pool(model: torch.nn.Module) -> PagePool:
 def is_patched(model) -> bool:
     """Whether ``model`` (or the model a ``torch.compile`` wrapper wraps) is patched. Anything else, a non-module
     included, is not: False, never an error (a question, unlike :func:`get_pool`)."""
-    return isinstance(model, torch.nn.Module) and getattr(_underlying(model), _STATE_ATTR, None) is not None
+    return isinstance(model, torch.nn.Module) and getattr(underlying_model(model), _STATE_ATTR, None) is not None
 
 
 # KV sharing where every shared layer attends with as many queries as its source (Gemma 4 cuts the shared layers'
@@ -1353,7 +1353,7 @@ def capture_graphs(model: torch.nn.Module, pool: PagePool | None = None) -> dict
         ValueError: the model is not patched, or is patched with ``cuda_graphs=False``.
         TypeError: ``model`` is not a module, or ``pool`` not a PagePool.
     """
-    model = _underlying(_as_module("capture_graphs()", model))
+    model = underlying_model(_as_module("capture_graphs()", model))
     if pool is not None and not isinstance(pool, PagePool):
         raise TypeError(f"pool must be a PagePool, got {type(pool).__name__}: {pool!r}")
     state = getattr(model, _STATE_ATTR, None)
@@ -1409,7 +1409,7 @@ def _wrap_generate(owner, generate, state: PatchState):
                 finally:
                     state.continuous_batching -= 1
         given = _find_cache(kwargs, state.cache_kwarg)
-        assistant = getattr(_underlying(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
+        assistant = getattr(underlying_model(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
             kwargs.get("assistant_model"), torch.nn.Module) else None
         also = (assistant, None) if assistant is not None else ()
         # (a cache an earlier patched call returned is released: its pool, held weakly, plays no part)

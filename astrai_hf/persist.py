@@ -105,9 +105,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             continue
         for part in _plain_parts(local.detach()):
             h.update(_run_sums(part))
-    from .pool import _packed_params
+    from .pool import packed_params
 
-    for name in sorted(_packed_params(model)):  # quantize_dynamic's packed weights
+    for name in sorted(packed_params(model)):  # quantize_dynamic's packed weights
         holder = model.get_submodule(name)
         unpack = getattr(holder, "_weight_bias", None)
         parts = unpack() if callable(unpack) else ()

@@ -1041,14 +1041,20 @@ def _resolve_devices(device, num_layers: int) -> tuple[torch.device, ...]:
     if device is None:
         return (torch.device("cpu"),) * num_layers
     if isinstance(device, (str, torch.device, int)):
-        return (_as_device(device),) * num_layers
-    devices = tuple(_as_device(d) for d in device)
+        return (as_device(device),) * num_layers
+    devices = tuple(as_device(d) for d in device)
     if len(devices) != num_layers:
         raise ValueError(f"device lists {len(devices)} devices, expected one per layer ({num_layers})")
     return devices
 
 
-def _as_device(device) -> torch.device:
+def as_device(device) -> torch.device:
+    """``device`` (a ``torch.device``, a string such as ``"cuda:1"``, or an index) as tensors on it report theirs:
+    ``"cpu"`` without an index, an accelerator with its current index filled in.
+
+    Raises:
+        ValueError: ``device`` is not a device torch knows here, or names a CUDA device this process cannot see.
+    """
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -1158,7 +1164,7 @@ class ModelLayout:
         tensors = _local_tensors(model) if tensors is None else tensors
         self.storages = [weakref.ref(_storage_of(t)) for t in tensors]
         self.views = [_view_of(t) for t in tensors]
-        self.packed = [weakref.ref(obj) for obj in _packed_params(model).values()]
+        self.packed = [weakref.ref(obj) for obj in packed_params(model).values()]
         self.modules = [weakref.ref(m) for m in model.modules()]
         self.behaviour = _behaviour(model)
         self.config = _config_digest(model)
@@ -1169,7 +1175,7 @@ class ModelLayout:
         return (
             _same_objects(self.storages, map(_storage_of, tensors))
             and [_view_of(t) for t in tensors] == self.views
-            and _same_objects(self.packed, _packed_params(model).values())
+            and _same_objects(self.packed, packed_params(model).values())
             and _same_objects(self.modules, model.modules())
             and _behaviour(model) == self.behaviour
             and _config_digest(model) == self.config
@@ -1226,7 +1232,7 @@ def _storage_of(t: torch.Tensor):
     return _values_of(t).untyped_storage()
 
 
-def _packed_params(model: torch.nn.Module) -> dict[str, object]:
+def packed_params(model: torch.nn.Module) -> dict[str, object]:
     """The packed weights of torch's quantized modules (``quantize_dynamic``'s Linear and Embedding), by the name of
     the module holding them: they are neither parameters nor buffers, and ``set_weight_bias`` packs a new object."""
     found = {}

@@ -66,7 +66,7 @@ def paged_attention(
     keys = gather_kv(k_cache, view.kv_slots, B, T)  # [B, H_kv, T, D]
     values = gather_kv(v_cache, view.kv_slots, B, T)
     mask, is_causal = view.mask(sliding_window, need_explicit=softcap is not None)
-    return _attend(query, keys, values, mask, is_causal, scaling, softcap).transpose(1, 2).contiguous()
+    return attend(query, keys, values, mask, is_causal, scaling, softcap).transpose(1, 2).contiguous()
 
 
 def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_window, softcap) -> torch.Tensor:
@@ -94,7 +94,7 @@ def _decode_in_place(query, k_cache, v_cache, meta, spans, scaling, sliding_wind
     else:
         for r, lo, hi in spans:
             k, v = k_heads[:, :, lo:hi], v_heads[:, :, lo:hi]
-            out[r] = _attend(query[r : r + 1], k, v, None, False, scaling, softcap)[0].transpose(0, 1)
+            out[r] = attend(query[r : r + 1], k, v, None, False, scaling, softcap)[0].transpose(0, 1)
     if len(spans) < B:
         chosen = {r for r, _, _ in spans}
         rest = [r for r in range(B) if r not in chosen]
@@ -151,15 +151,20 @@ def packed_paged_attention(
             row = slots[r, :T]
             keys, values = gather_kv(k_cache, row, 1, T), gather_kv(v_cache, row, 1, T)
         mask, is_causal = masks[r]
-        part = _attend(query[:, :, start : start + n], keys, values, mask, is_causal, scaling, softcap)
+        part = attend(query[:, :, start : start + n], keys, values, mask, is_causal, scaling, softcap)
         out[:, start : start + n] = part.transpose(1, 2)
         start += n
     return out
 
 
-def _attend(query, keys, values, mask, is_causal, scaling, softcap) -> torch.Tensor:
-    """sdpa of query [B, H, q, D] over keys/values [B, H_kv, T, D] with mask [B, 1, q, T] or None; returns
-    [B, H, q, D]."""
+def attend(query, keys, values, mask, is_causal, scaling, softcap) -> torch.Tensor:
+    """Dense attention of ``query`` [B, H, q, D] over ``keys``/``values`` [B, H_kv, T, D] (H a multiple of H_kv:
+    grouped-query attention without copying K/V per group) through ``F.scaled_dot_product_attention``.
+
+    ``mask`` is bool [B, 1, q, T] (True: the key is attended) or None; ``is_causal`` applies only without a mask.
+    ``scaling`` None means D ** -0.5. ``softcap`` (Gemma 2) caps the scores as ``tanh(s / softcap) * softcap``
+    before a float32 softmax. Returns [B, H, q, D] in the query's dtype.
+    """
     B, H, q, D = query.shape
     H_kv, T = keys.shape[1], keys.shape[2]
     groups = H // H_kv
