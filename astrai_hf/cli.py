@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="run an unmodified Python script with every generate() patched (zero-code)")
     run.add_argument("--max-tokens", type=_positive_int, default=None, help="token capacity of each model's pool")
     run.add_argument("--page-size", type=_positive_int, default=None, help="tokens per page")
+    run.add_argument("--max-reqs", type=_positive_int, default=None,
+                     help="sequences alive at once in each model's pool: rows x samples or beams (default 128)")
     run.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     run.add_argument("--report", action="store_true",
                      help="print the pool statistics of each patched model still alive when the script ends")
@@ -147,7 +149,7 @@ def _run_script(args) -> int:
         print(f"astrai-hf run: {args.script} is a folder without a __main__.py", file=sys.stderr)
         return 2
     env = {"ASTRAI_HF_MAX_TOKENS": args.max_tokens, "ASTRAI_HF_PAGE_SIZE": args.page_size,
-           "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
+           "ASTRAI_HF_MAX_REQS": args.max_reqs, "ASTRAI_HF_PREFIX_CACHE": "0" if args.no_prefix_cache else None}
     saved_level, handler = autopatch.logger.level, None
     # (a caller of main() in Python keeps its process: its environment and logging as they were, on every way out)
     with mock.patch.dict(os.environ, {k: str(v) for k, v in env.items() if v is not None}):

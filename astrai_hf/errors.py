@@ -27,5 +27,6 @@ class CacheFullError(RuntimeError):
             msg += ("; give the pool more tokens (PagePool.from_model(model, max_tokens=...), "
                     "patch(model, max_tokens=...), or astrai-hf run --max-tokens), or run fewer rows or new tokens")
         elif hint:
-            msg += "; build the PagePool with a larger max_reqs, or run fewer rows"
+            msg += ("; give the pool more request rows (PagePool.from_model(model, max_reqs=...), "
+                    "patch(model, max_reqs=...), or astrai-hf run --max-reqs), or run fewer rows")
         super().__init__(msg)

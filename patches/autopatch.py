@@ -7,8 +7,8 @@ never imports astrai-hf. ``astrai-hf run script.py ARGS`` installs the hook and 
 with a warning in the log.
 
 Pool settings come from :func:`install`'s arguments, or from the environment (``astrai-hf run`` fills it):
-``ASTRAI_HF_MAX_TOKENS``, ``ASTRAI_HF_PAGE_SIZE``, ``ASTRAI_HF_PREFIX_CACHE`` (``0``, ``false``, ``no`` or ``off``
-turns the prefix cache off).
+``ASTRAI_HF_MAX_TOKENS``, ``ASTRAI_HF_PAGE_SIZE``, ``ASTRAI_HF_MAX_REQS``, ``ASTRAI_HF_PREFIX_CACHE`` (``0``,
+``false``, ``no`` or ``off`` turns the prefix cache off).
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ def settings_from_env(environ=None) -> dict:
     """Pool keyword arguments read from ``ASTRAI_HF_*`` variables.
 
     Raises:
-        ValueError: ``ASTRAI_HF_MAX_TOKENS`` or ``ASTRAI_HF_PAGE_SIZE`` is not an integer (:func:`install`
-            checks the sizes), or
+        ValueError: ``ASTRAI_HF_MAX_TOKENS``, ``ASTRAI_HF_PAGE_SIZE`` or ``ASTRAI_HF_MAX_REQS`` is not an integer
+            (:func:`install` checks the sizes), or
             ``ASTRAI_HF_PREFIX_CACHE`` is none of 1/0, true/false, yes/no, on/off.
     """
     environ = os.environ if environ is None else environ
     out = {}
-    for var, key in (("ASTRAI_HF_MAX_TOKENS", "max_tokens"), ("ASTRAI_HF_PAGE_SIZE", "page_size")):
+    for var, key in (("ASTRAI_HF_MAX_TOKENS", "max_tokens"), ("ASTRAI_HF_PAGE_SIZE", "page_size"),
+                     ("ASTRAI_HF_MAX_REQS", "max_reqs")):
         if environ.get(var):
             try:
                 out[key] = int(environ[var])

@@ -138,7 +138,9 @@ def test_too_many_rows_is_cache_full(llama):
     ids, mask = left_padded_batch([3, 4, 5])
     astrai_hf.patch(llama, pool=pool)
     try:
-        with pytest.raises(CacheFullError, match="request rows.*; build the PagePool with a larger max_reqs"):
+        hint = (r"; give the pool more request rows \(PagePool.from_model\(model, max_reqs=...\), "
+                r"patch\(model, max_reqs=...\), or astrai-hf run --max-reqs\)")
+        with pytest.raises(CacheFullError, match="request rows.*" + hint):
             llama.generate(ids, attention_mask=mask, max_new_tokens=2)
     finally:
         astrai_hf.unpatch(llama)

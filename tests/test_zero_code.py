@@ -41,12 +41,12 @@ def script(tmp_path):
 def test_run_routes_an_unmodified_script_through_the_pool(script, capsys):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert main(["run", "--report", "--page-size", "4", str(script)]) == 0
+    assert main(["run", "--report", "--page-size", "4", "--max-reqs", "3", str(script)]) == 0  # (3 rows: fits)
     out, err = capsys.readouterr()
     assert out == done.stdout  # the same tokens
     (report,) = [line for line in err.splitlines() if line.startswith("astrai-hf: LlamaForCausalLM {")]
     stats = json.loads(report.split(" ", 2)[2])  # the pool's stats when the script ended
-    assert stats["page_size"] == 4 and stats["num_used_pages"] == 0
+    assert (stats["page_size"], stats["max_reqs"], stats["num_used_pages"]) == (4, 3, 0)
     assert stats["prefix_query_tokens"] == 2 * (5 + 9 + 17) and stats["prefix_hit_tokens"] > 0
     from transformers.generation.utils import GenerationMixin
 
@@ -90,23 +90,26 @@ def test_autopatch_leaves_unpatchable_models_alone(caplog):
 
 
 def test_settings_from_env():
-    env = {"ASTRAI_HF_MAX_TOKENS": "4096", "ASTRAI_HF_PAGE_SIZE": "8", "ASTRAI_HF_PREFIX_CACHE": "0"}
-    assert autopatch.settings_from_env(env) == {"max_tokens": 4096, "page_size": 8, "prefix_cache": False}
-    with pytest.raises(ValueError, match="ASTRAI_HF_PAGE_SIZE='big'"):
-        autopatch.settings_from_env({"ASTRAI_HF_PAGE_SIZE": "big"})
+    env = {"ASTRAI_HF_MAX_TOKENS": "4096", "ASTRAI_HF_PAGE_SIZE": "8", "ASTRAI_HF_MAX_REQS": "256",
+           "ASTRAI_HF_PREFIX_CACHE": "0"}
+    assert autopatch.settings_from_env(env) == {"max_tokens": 4096, "page_size": 8, "max_reqs": 256,
+                                                "prefix_cache": False}
+    for name in ("ASTRAI_HF_PAGE_SIZE", "ASTRAI_HF_MAX_REQS"):
+        with pytest.raises(ValueError, match=f"{name}='big' is not an integer"):
+            autopatch.settings_from_env({name: "big"})
     # only "0" had turned the prefix cache off; "false" left it on without a word
     for off in ("false", "No", "off", " 0 "):
         assert autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": off}) == {"prefix_cache": False}
     for on in ("1", "true", "yes", ""):
         assert autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": on}) == {}
     # set but empty (`export ASTRAI_HF_MAX_TOKENS=`): unset, as for the prefix cache
-    assert autopatch.settings_from_env({"ASTRAI_HF_MAX_TOKENS": "", "ASTRAI_HF_PAGE_SIZE": ""}) == {}
+    assert autopatch.settings_from_env({f"ASTRAI_HF_{n}": "" for n in ("MAX_TOKENS", "PAGE_SIZE", "MAX_REQS")}) == {}
     with pytest.raises(ValueError, match="ASTRAI_HF_PREFIX_CACHE='maybe'"):
         autopatch.settings_from_env({"ASTRAI_HF_PREFIX_CACHE": "maybe"})
 
 
 def test_autopatch_checks_its_sizes_up_front_and_never_falls_back_to_stock_after_an_error(monkeypatch):
-    for name in ("ASTRAI_HF_MAX_TOKENS", "ASTRAI_HF_PAGE_SIZE"):  # (`astrai-hf run` sets them for its script)
+    for name in ("ASTRAI_HF_MAX_TOKENS", "ASTRAI_HF_PAGE_SIZE", "ASTRAI_HF_MAX_REQS"):  # (`astrai-hf run` sets them)
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match="page_size must be a positive int, got 0"):
         autopatch.install(page_size=0)
@@ -198,7 +201,7 @@ def test_run_gives_the_script_an_absolute_file(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out == "True reads.py beside the script\n"
 
 
-_RUN_ENV = ("ASTRAI_HF_MAX_TOKENS", "ASTRAI_HF_PAGE_SIZE", "ASTRAI_HF_PREFIX_CACHE")
+_RUN_ENV = ("ASTRAI_HF_MAX_TOKENS", "ASTRAI_HF_PAGE_SIZE", "ASTRAI_HF_MAX_REQS", "ASTRAI_HF_PREFIX_CACHE")
 
 
 def test_run_runs_the_script_as_python_does_and_leaves_the_callers_process_as_it_was(
@@ -213,7 +216,7 @@ def test_run_runs_the_script_as_python_does_and_leaves_the_callers_process_as_it
     script.write_text(textwrap.dedent("""
         import os, sys
         if __name__ == "__main__":
-            print(sys.argv[1:], os.environ.get("ASTRAI_HF_PREFIX_CACHE"), os.environ.get("ASTRAI_HF_PAGE_SIZE"))
+            print(sys.argv[1:], *(os.environ.get(f"ASTRAI_HF_{n}") for n in ("PREFIX_CACHE", "PAGE_SIZE", "MAX_REQS")))
             sys.exit(3)
     """))
     request.addfinalizer(lambda level=autopatch.logger.level: autopatch.logger.setLevel(level))
@@ -225,8 +228,8 @@ def test_run_runs_the_script_as_python_does_and_leaves_the_callers_process_as_it
         assert not [name for name in _RUN_ENV if name in os.environ]
 
     with pytest.raises(SystemExit) as e:
-        main(["run", "--no-prefix-cache", "--page-size", "8", str(script), "--model", "gpt2", "x"])
-    assert e.value.code == 3 and capsys.readouterr().out == "['--model', 'gpt2', 'x'] 0 8\n"
+        main(["run", "--no-prefix-cache", "--page-size", "8", "--max-reqs", "5", str(script), "--model", "gpt2", "x"])
+    assert e.value.code == 3 and capsys.readouterr().out == "['--model', 'gpt2', 'x'] 0 8 5\n"
     left_as_it_was()
     assert main(["run", "--max-tokens", "8", "--page-size", "16", str(script)]) == 2
     assert capsys.readouterr().err == "astrai-hf run: max_tokens=8 is smaller than one page (page_size=16)\n"
