@@ -40,6 +40,10 @@ SMOLLM2_135M = dict(
 )
 
 
+# the architecture with 2 small layers: `--tiny`, a smoke run of the script itself
+TINY = dict(SMOLLM2_135M, num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128,
+            num_attention_heads=4, num_key_value_heads=2)
+
 SETUPS = ["DynamicCache eager", "StaticCache + torch.compile", "PagedCache eager", "PagedCache + CUDA graphs",
           "generate_batch (end to end)"]  # the table's order within a batch size
 
@@ -53,13 +57,13 @@ class DecodeRow:
     setup_s: float = 0.0  # compile time (StaticCache) or capture time (graphs), outside the timed run
     same_tokens: bool = True  # the tokens equal DynamicCache eager's (over the tokens both made)
     new_tokens: int = 0
+    floor_ms: float = float("nan")  # step time floor at this row's mean context (prompt + new_tokens / 2), ms
 
 
 @dataclass
 class Results:
     env: dict
     decode: list[DecodeRow] = field(default_factory=list)
-    floor_ms: dict = field(default_factory=dict)  # batch -> step time floor (ms)
     bandwidth_gb_s: float = 0.0
     capture_s: dict = field(default_factory=dict)  # bucket -> seconds (lazy capture inside generate())
     capture_all_s: dict = field(default_factory=dict)  # bucket -> seconds (astrai_hf.capture_graphs, largest first)
@@ -106,8 +110,14 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def step_floor_ms(model, batch: int, context: int, bandwidth_gb_s: float) -> float:
-    """The least time a decode step can take: weight bytes plus every row's K/V bytes, over the bandwidth."""
+    """The least time a decode step of ``batch`` rows at ``context`` tokens each can take, in ms: the bytes it must
+    read over ``bandwidth_gb_s`` (GB/s). Those are every weight once (a tied LM head reads the whole embedding
+    matrix, and ``parameters()`` counts it once), but of an input embedding of its own only the ``batch`` rows
+    looked up, plus each row's K and V of every layer at ``context`` tokens in the model's dtype."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or embedding.weight is not head.weight:
+        weights -= (embedding.weight.shape[0] - batch) * embedding.weight[0].numel() * embedding.weight.element_size()
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize * context * batch
@@ -143,14 +153,13 @@ def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, r
     from astrai_hf import PagePool
 
     vocab = model.config.vocab_size
-    pool = PagePool.from_model(model, max_tokens=max(batches) * (prompt_len + new_tokens + 16), page_size=16,
-                               prefix_cache=False)
+    pool = PagePool.from_model(model, max_tokens=max(batches) * (prompt_len + max(new_tokens, slow_tokens) + 16),
+                               page_size=16, prefix_cache=False)
     cuda = torch.device(device).type == "cuda"
     references: dict[int, torch.Tensor] = {}
     jobs = []
     for batch in batches:
         ids = _prompts(vocab, batch, prompt_len, device, seed=batch)
-        results.floor_ms[batch] = step_floor_ms(model, batch, prompt_len + new_tokens // 2, results.bandwidth_gb_s)
 
         def record(setup, out, timer, setup_s=0.0, batch=batch, n=new_tokens):
             seqs = out if isinstance(out, torch.Tensor) else torch.tensor(out)
@@ -160,7 +169,8 @@ def decode_jobs(model, batches, prompt_len: int, new_tokens: int, device: str, r
             tok_s = timer.decode_tok_s(batch) if timer is not None else float("nan")
             step_ms = batch / tok_s * 1e3 if tok_s == tok_s else float("nan")
             same = bool(torch.equal(seqs[:, :both], reference[:, :both]))
-            results.decode.append(DecodeRow(batch, setup, tok_s, step_ms, setup_s, same, n))
+            floor = step_floor_ms(model, batch, prompt_len + n // 2, results.bandwidth_gb_s)
+            results.decode.append(DecodeRow(batch, setup, tok_s, step_ms, setup_s, same, n, floor))
 
         def dynamic(ids=ids, record=record):
             _timed_generate(model, ids[:, :16], 4, device)
@@ -348,8 +358,15 @@ def _generate_batch(model, ids, new_tokens: int, device):
 
 def prefill_suite(model, batch: int, new_tokens: int, device: str, results: Results) -> None:
     """A left-padded batch of prompts of 64-1000 tokens (geometric), end to end: DynamicCache, patched
-    PagedCache (packed prefill) and generate_batch."""
+    PagedCache (packed prefill) and generate_batch.
+
+    Raises:
+        ValueError: ``batch`` < 2 (one prompt has no lengths to pack).
+    """
     import astrai_hf
+
+    if batch < 2:
+        raise ValueError(f"packed prefill compares a batch of prompts of different lengths: batch={batch} < 2")
 
     lengths = [round(64 * (1000 / 64) ** (i / (batch - 1))) for i in range(batch)]
     g = torch.Generator().manual_seed(1)
@@ -399,7 +416,7 @@ def to_markdown(r: Results) -> str:
     for row in sorted(r.decode, key=lambda row: (row.batch, SETUPS.index(row.setup) if row.setup in SETUPS else 9)):
         ratio = row.tok_s / base[row.batch] if base.get(row.batch) else float("nan")
         lines.append(f"| {row.batch} | {row.setup} | {row.new_tokens} | {row.tok_s:.0f} | {row.step_ms:.2f} | {ratio:.2f}x | "
-                     f"{r.floor_ms.get(row.batch, float('nan')):.3f} | {row.setup_s:.2f} | "
+                     f"{row.floor_ms:.3f} | {row.setup_s:.2f} | "
                      f"{'yes' if row.same_tokens else 'NO'} |")
     if r.capture_s:
         lines += ["", "Graph capture per bucket (s): " + ", ".join(f"{b}: {s:.3f}" for b, s in sorted(
@@ -448,19 +465,20 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--eager-new-tokens", type=int, default=0,
                         help="new tokens of the eager setups and generate_batch (0: --new-tokens)")
-    parser.add_argument("--prefill-batch", type=int, default=32, help="0 skips the packed-prefill comparison")
+    parser.add_argument("--prefill-batch", type=int, default=32,
+                        help="prompts of the packed-prefill comparison, at least 2 (0 skips it)")
     parser.add_argument("--random-weights", action="store_true", help="do not look for the embedded weights")
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="seconds the whole run may take: phases that would not fit are skipped, with a note "
                              "(0: no limit)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (a smoke run of the script itself)")
     args = parser.parse_args(argv)
+    if args.prefill_batch == 1 or args.prefill_batch < 0:
+        parser.error(f"--prefill-batch {args.prefill_batch}: 0 (skip it) or at least 2 prompts of different lengths")
     began = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     dtype = getattr(torch, args.dtype)
-    tiny = dict(SMOLLM2_135M, num_hidden_layers=2, vocab_size=512, hidden_size=64, intermediate_size=128,
-                num_attention_heads=4, num_key_value_heads=2) if args.tiny else None
-    model, name = load(args.device, dtype, args.random_weights or args.tiny, tiny)
+    model, name = load(args.device, dtype, args.random_weights or args.tiny, TINY if args.tiny else None)
     env = environment(model)
     try:
         import triton

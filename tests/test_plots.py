@@ -96,3 +96,39 @@ def test_without_matplotlib_the_error_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'astrai-hf\[plot\]'"):
         plots.plot(plots.load_results(RESULTS[-1]), tmp_path / "c.png")
+
+
+def test_each_panel_draws_every_series_of_the_results_with_its_labels():
+    import matplotlib.pyplot as plt
+
+    results = plots.load_results(COMPLETE[-1])
+    rows = results["decode"]["rows"]
+    batches, caches = list(dict.fromkeys(r["batch"] for r in rows)), list(dict.fromkeys(r["cache"] for r in rows))
+    get = {(r["batch"], r["cache"]): r for r in rows}
+    prefill = results["prefill"]
+    expected = [  # (title, ylabel, tick labels, {series: heights})
+        ("decode speed", "tokens/s", [b.split(" (")[0] for b in batches],
+         {c: [get[b, c]["decode_tok_s"] for b in batches] for c in caches}),
+        ("KV bytes held", "MiB", [b.split(" (")[0] for b in batches],
+         {c: [get[b, c]["kv_bytes"] / 2**20 for b in batches] for c in caches}),
+        ("time to first token", "seconds", ["1024-token prompt, 1000 cached"],
+         {k: [v] for k, v in results["prefix"]["ttft_s"].items()}),
+        ("mixed-length batch of 8, end to end", "seconds",
+         ["TTFT" if n == 1 else f"{n} new tokens" for n in prefill["new_tokens"]],
+         {m: [per[str(n)] for n in prefill["new_tokens"]] for m, per in prefill["seconds"].items()}),
+    ]
+    fig = plots.figure(results)
+    try:
+        assert len(fig.axes) == len(expected)
+        for ax, (title, ylabel, ticks, series) in zip(fig.axes, expected):
+            assert (ax.get_title(), ax.get_ylabel()) == (title, ylabel)
+            assert [t.get_text() for t in ax.get_xticklabels()] == ticks
+            assert [t.get_text() for t in ax.get_legend().get_texts()] == list(series)
+            heights = [bar.get_height() for c in ax.containers for bar in c]
+            assert heights == pytest.approx([v for values in series.values() for v in values])
+            for g in range(len(ticks)):  # each group's bars centred on its tick
+                centres = [c[g].get_x() + c[g].get_width() / 2 for c in ax.containers]
+                assert sum(centres) / len(centres) == pytest.approx(g)
+            assert ax.get_ylim()[1] > max(v for values in series.values() for v in values)
+    finally:
+        plt.close(fig)
