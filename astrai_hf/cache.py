@@ -348,12 +348,18 @@ class PagedCache(Cache):
             # the cache an earlier call returned (_held_columns, a patched generate() says): they may act on a
             # position by its index in the forward, or record every position they are shown
             limit = _held_columns if target is not None and has_caller_hooks(target) else None
-            if limit != 0:
-                self._match_prefix(pads, L, limit)
-            if target is not None and self.prefilled_from_prefix_cache and PATCH_STATE_ATTR not in vars(target):
-                # a model used without patch(): nothing sees the call start, so the cache drops them now (a
-                # patched generate() drops them when the call that uses the cache starts)
-                forget_rope_deltas(target)
+            try:
+                if limit != 0:
+                    self._match_prefix(pads, L, limit)
+                if target is not None and self.prefilled_from_prefix_cache and PATCH_STATE_ATTR not in vars(target):
+                    # a model used without patch(): nothing sees the call start, so the cache drops them now (a
+                    # patched generate() drops them when the call that uses the cache starts)
+                    forget_rope_deltas(target)
+            except BaseException:
+                # (a Ctrl-C or an error before anyone holds this cache: only its finaliser would return the rows
+                # and pages it matched, and a traceback the caller keeps, as a notebook does, keeps it alive)
+                self.release()
+                raise
 
     @property
     def prefilled_from_prefix_cache(self) -> bool:

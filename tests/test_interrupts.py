@@ -83,6 +83,9 @@ POINTS = {
     "allocating a step's pages": (lambda pool: pool.allocator, "alloc", 0),
     "returning pages": (lambda pool: pool.allocator, "decref", 1),
     "taking a request row": (lambda pool: pool.req_to_token, "alloc", 0),
+    # a warm call's cache taking its prefix from the prefix cache, before generate() holds the cache
+    "writing a cached prefix's slots": (lambda pool: pool.req_to_token, "write", 0),
+    "writing a cached prefix's token ids": (lambda pool: pool.req_to_token, "write_ids", 0),
 }
 
 
@@ -103,11 +106,12 @@ def test_interrupt_inside_the_bookkeeping_leaks_nothing(setup, point, how):
     else:
         undo = _raise_once(holder(pool), name, KeyboardInterrupt(), after)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as kept:
             _gen(model, longer)
     finally:
         undo()
-    _clean(pool)
+    _clean(pool)  # while the caller keeps the error (a notebook keeps the last one): its traceback holds the cache
+    del kept
     for _ in range(2):
         assert torch.equal(_gen(model, ids), stock)
         assert torch.equal(_gen(model, longer), stock_longer)
@@ -264,3 +268,22 @@ def _source_line(frame) -> str:
     import linecache
 
     return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
+def test_a_prefix_interrupted_before_its_token_ids_are_written_is_not_indexed_under_the_rows_old_ids(setup):
+    # the rows a warm call takes keep the ids of their last prompt until the prefix's ids are written over them;
+    # a cache released before that offers the prefix's pages to the prefix cache under those stale ids, which must
+    # not index them there (a later prompt starting with them would be served another prompt's K/V): it indexes no
+    # page twice
+    model, pool, (ids, stock), (longer, stock_longer) = setup
+    _gen(model, ids)
+    pool.req_to_token.token_ids.fill_(7)  # as if every row had last held a prompt of 7s
+    undo = _raise_once(pool.req_to_token, "write_ids", KeyboardInterrupt())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _gen(model, longer)
+    finally:
+        undo()
+    _clean(pool)
+    assert pool.prefix_cache.match([7] * 16)[1] == 0
+    assert torch.equal(_gen(model, longer), stock_longer)
