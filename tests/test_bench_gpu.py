@@ -139,3 +139,15 @@ def test_the_benchmark_falls_back_to_random_weights_where_the_gguf_reader_is_mis
     model, name = bench_gpu.load("cpu", torch.float32, random_weights=False)
     assert name == "SmolLM2-135M architecture, random weights" and model.config.num_hidden_layers == 1
     assert "gguf package, not installed" in caplog.text
+
+
+def test_the_generate_batch_row_counts_every_rows_new_tokens_over_the_whole_call(monkeypatch):
+    model, _ = bench_gpu.load("cpu", torch.float32, True, bench_gpu.TINY)
+    results = Results(env={}, bandwidth_gb_s=1.0)
+    jobs = bench_gpu.decode_jobs(model, [2], 8, 4, "cpu", results)
+    monkeypatch.setattr(bench_gpu, "_generate_batch",  # 2 rows of 4 new tokens in half a second, end to end
+                        lambda model, ids, new_tokens, device: (torch.zeros(2, new_tokens, dtype=torch.long), 0.5))
+    (run,) = [run for _, setup, run in jobs if setup == "generate_batch"]
+    run()
+    (row,) = results.decode
+    assert (row.setup, row.tok_s, row.step_ms, row.new_tokens) == ("generate_batch (end to end)", 16.0, 125.0, 4)
