@@ -1582,7 +1582,11 @@ def _wrap_generate(owner, generate, state: PatchState):
             _note_held_tokens(cache, out, args, kwargs, config)
             return _continued_in(returned, cache, out, state.cache_kwarg)
         finally:
-            _release_as_returned(cache)
+            try:
+                _release_as_returned(cache)
+            except BaseException:  # (see _release_as_returned)
+                cache.release()
+                raise
 
     return paged_generate
 
@@ -1609,7 +1613,11 @@ def _continue_held_tokens(model, state: PatchState, held: HeldTokens, args: tupl
         _note_held_tokens(cache, out, args, kwargs, config, computed_from=held, model=model)
         return _continued_in(returned, cache, out, state.cache_kwarg)
     finally:
-        _release_as_returned(cache)
+        try:
+            _release_as_returned(cache)
+        except BaseException:  # (see _release_as_returned)
+            cache.release()
+            raise
 
 
 def _held_inputs(model, held: HeldTokens, start: int = 0, embeds: bool = False) -> dict:
@@ -1658,7 +1666,11 @@ def _continue_held_tokens_stock(model, state: PatchState, held: HeldTokens | Non
 def _release_as_returned(cache: PagedCache) -> None:
     """Release the cache a patched ``generate()`` ran on, keeping what a later call given it (or its row and crop
     operations) needs of stock's returned cache: its columns and rows (the tokens, see :func:`_note_held_tokens`,
-    are kept already)."""
+    are kept already).
+
+    A caller releases the cache again where this raises: a Ctrl-C that lands as the call ends, before the release
+    holds interrupts back (it fires as this function is entered, outside anything it could catch), would leave the
+    pages to the cache's finaliser, which the traceback a caller keeps (a notebook keeps the last one) puts off."""
     cache.returned_len, cache.returned_rows = _columns_and_rows(cache)
     cache._hold_pool_weakly()  # (released: outputs a caller keeps must not keep a deleted model's pool alive)
     cache.made_by_generate = cache.returned_by_generate = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 import weakref
 
@@ -86,6 +87,8 @@ POINTS = {
     # a warm call's cache taking its prefix from the prefix cache, before generate() holds the cache
     "writing a cached prefix's slots": (lambda pool: pool.req_to_token, "write", 0),
     "writing a cached prefix's token ids": (lambda pool: pool.req_to_token, "write_ids", 0),
+    # the call's end: a Ctrl-C as generate() starts to release its cache, before the release holds interrupts back
+    "releasing the call's cache": (lambda pool: sys.modules["astrai_hf.patch"], "_release_as_returned", 0),
 }
 
 
