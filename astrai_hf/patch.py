@@ -1569,15 +1569,15 @@ def _wrap_generate(owner, generate, state: PatchState):
             failed = e
         try:
             agree(pool.ranks, failed)  # tensor parallel: one rank's bad input stops every rank here
-        except Exception:
+        except BaseException:  # (a Ctrl-C too: the caller may keep the error, and with its traceback this cache)
             if cache is not None:
                 cache.release()
             raise
         finally:
             failed = None  # (held by the traceback's frame, it would make a cycle keeping the model and its pool)
-        if cache.prefilled_from_prefix_cache:
-            forget_rope_deltas(model)
         try:
+            if cache.prefilled_from_prefix_cache:
+                forget_rope_deltas(model)
             out = generate(*args, **_with_cache(kwargs, cache, state.cache_kwarg))
             _note_held_tokens(cache, out, args, kwargs, config)
             return _continued_in(returned, cache, out, state.cache_kwarg)
@@ -2442,10 +2442,14 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model,
                        _held_columns=held_columns)
-    # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
-    # unpatched model does (paged attention returns no weights)
-    cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
-    cache.verifies_candidates = _candidate_decoding(kwargs, config)
+    try:
+        # attention weights come from the model's own attention: run it over K/V gathered from the pool, as an
+        # unpatched model does (paged attention returns no weights)
+        cache.stock_attention = bool(_get(kwargs, config, "output_attentions"))
+        cache.verifies_candidates = _candidate_decoding(kwargs, config)
+    except BaseException:  # (a Ctrl-C: the caller may keep the error, and with its traceback this cache)
+        cache.release()
+        raise
     cache.rows_as_fed = by_row
     cache.made_by_generate = True
     return cache

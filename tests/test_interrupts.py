@@ -290,3 +290,21 @@ def test_a_prefix_interrupted_before_its_token_ids_are_written_is_not_indexed_un
     _clean(pool)
     assert pool.prefix_cache.match([7] * 16)[1] == 0
     assert torch.equal(_gen(model, longer), stock_longer)
+
+
+@pytest.mark.parametrize("name, after", [("_candidate_decoding", 1), ("agree", 0), ("forget_rope_deltas", 0)])
+def test_a_ctrl_c_between_making_the_calls_cache_and_generating_on_it_returns_its_pages(setup, name, after):
+    # the cache is made (a warm call's holds prefix pages) before generate() runs on it: a Ctrl-C in between had
+    # left its pages to its finaliser, which the traceback a caller keeps puts off
+    model, pool, (ids, stock), (longer, stock_longer) = setup
+    _gen(model, ids)
+    undo = _raise_once(sys.modules["astrai_hf.patch"], name, _ctrl_c, after)  # (the call after the cache is made)
+    try:
+        with pytest.raises(KeyboardInterrupt) as kept:
+            _gen(model, longer)
+    finally:
+        undo()
+    _clean(pool)
+    del kept
+    assert torch.equal(_gen(model, longer), stock_longer)
+    _clean(pool)
