@@ -3,6 +3,8 @@ K/V): generate() with no length, candidate generation after a prefix hit, two mo
 place, several threads, outputs of every position, and masks generate() cannot serve left-padded."""
 
 import contextlib
+import copy
+import gc
 import re
 import threading
 
@@ -815,6 +817,40 @@ def test_a_one_row_cache_is_shared_by_a_batch_that_starts_with_its_tokens():
         with pytest.raises(ValueError, match=r"did not record the tokens of row\(s\) \[0\]"):
             model.generate(batch, attention_mask=torch.ones_like(batch), past_key_values=cache, **kw)
         cache.release()
+        assert _used(model) == 0
+
+
+@pytest.mark.parametrize("mode", [dict(do_sample=True, num_return_sequences=2), dict(do_sample=False, num_beams=2),
+                                  dict(do_sample=False, num_beams=3, num_return_sequences=2)],
+                         ids=["two samples", "two beams", "three beams, two returned"])
+def test_a_returned_cache_continued_with_samples_or_beams_serves_each_rows_copies(mode):
+    # a 2-row cache a greedy call returned, passed to a call whose samples or beams make 2 x n rows: stock raises on
+    # the row count (it does not expand the cache); each row's copies share its pages and decode as a call without
+    # the cache does
+    stock = tiny_model("llama")
+    model = copy.deepcopy(stock)
+    ids, mask = left_padded_batch([7, 10], seed=1)
+    name = astrai_hf.cache_kwarg(model)
+    first = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    stock_first = stock.generate(ids, **first)
+    tail = torch.tensor([[5], [6]])
+    ids2 = torch.cat([stock_first.sequences, tail], 1)
+    mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    kw = dict(attention_mask=mask2, max_new_tokens=5, **mode)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        torch.manual_seed(0)
+        stock.generate(ids2, **kw, **{name: getattr(stock_first, name)})
+    torch.manual_seed(0)
+    expected = stock.generate(ids2, **kw)
+    with astrai_hf.patched(model, max_tokens=1024, page_size=4):
+        out = model.generate(ids, **first)
+        assert torch.equal(out.sequences, stock_first.sequences)
+        cache = getattr(out, name)
+        torch.manual_seed(0)
+        got = model.generate(ids2, **kw, **{name: cache})
+        assert torch.equal(got, expected)
+        del out, cache
+        gc.collect()
         assert _used(model) == 0
 
 
