@@ -102,9 +102,11 @@ class PageAllocator:
         Raises:
             ValueError: a page is free or reserved.
         """
-        for p in pages:
+        pages = list(pages)
+        for p in pages:  # (all checked first: a refused call adds no reference)
             if p < self.first_page or self._ref_counts[p] == 0:
                 raise ValueError(f"page {p} is not allocated; only allocated pages can be shared")
+        for p in pages:
             self._ref_counts[p] += 1
 
     def decref(self, pages: Iterable[int]) -> int:

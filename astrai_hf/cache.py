@@ -536,10 +536,10 @@ class PagedCache(Cache):
                 return
             shared = [list(pages[: -(-u // ps)]) for (pages, _), u in zip(hits, use)]
             req_rows = pool.req_to_token.alloc(len(pads))
+            rows.req_rows, rows.reserved = req_rows, [[] for _ in req_rows]  # held before anything else can fail
             pool.allocator.incref([p for pages in shared for p in pages])  # locked before this call allocates
-            rows.req_rows, rows.pages, rows.known = req_rows, shared, list(use)
+            rows.pages, rows.known = shared, list(use)
             rows.epoch = pool.prefix_cache.epoch
-            rows.reserved = [[] for _ in req_rows]
             pool.counters["prefix_hit_tokens"] += sum(use)
         self._hit_model_key = pool.held_model_key() if self.checked_model is not None else None
         w_rows, w_cols, w_slots, w_ids = [], [], [], []

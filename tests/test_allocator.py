@@ -76,13 +76,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.refs[page] == 0:
             del self.refs[page]
 
-    @rule(page=st.integers(0, NUM_PAGES - 1))
-    def double_free_is_refused(self, page):
+    @rule(page=st.integers(0, NUM_PAGES - 1), data=st.data())
+    def double_free_is_refused(self, page, data):
         if page not in self.refs:
             with pytest.raises(ValueError):
                 self.alloc.decref([page])
+            held = data.draw(st.lists(st.sampled_from(sorted(self.refs)), max_size=3)) if self.refs else []
             with pytest.raises(ValueError):
-                self.alloc.incref([page])
+                self.alloc.incref(held + [page])  # refused whole: the allocated pages before it gain no reference
 
     @invariant()
     def free_and_used_are_disjoint_and_complete(self):

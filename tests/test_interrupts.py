@@ -84,6 +84,7 @@ POINTS = {
     "allocating a step's pages": (lambda pool: pool.allocator, "alloc", 0),
     "returning pages": (lambda pool: pool.allocator, "decref", 1),
     "taking a request row": (lambda pool: pool.req_to_token, "alloc", 0),
+    "sharing a cached prefix's pages": (lambda pool: pool.allocator, "incref", 0),
     # a warm call's cache taking its prefix from the prefix cache, before generate() holds the cache
     "writing a cached prefix's slots": (lambda pool: pool.req_to_token, "write", 0),
     "writing a cached prefix's token ids": (lambda pool: pool.req_to_token, "write_ids", 0),
