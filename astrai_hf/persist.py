@@ -299,18 +299,28 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
 
     Raises:
         ValueError: the pool has no prefix cache, no model is known, or ``model`` is not the model that computed
-            the cached prefixes (the pool and the file are left as they were).
+            the cached prefixes (the pool and the file are left as they were); or the weights' contents changed
+            since the pool's last check through writes into ``param.data`` (then the cached prefixes are dropped
+            and the file is left as it was).
         TypeError: ``path`` is not a str or ``os.PathLike``; ``model`` is not a ``torch.nn.Module``.
         FileNotFoundError: the folder of ``path`` does not exist.
+        IsADirectoryError: ``path`` is a folder.
     """
     path = _as_path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot save the prefix cache to {path}: folder {path.parent} does not exist")
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot save the prefix cache to {path}: it is a folder; give a file's path")
     if pool.prefix_cache is None:
         raise ValueError("this PagePool was built with prefix_cache=False; there is nothing to save")
     model = _model_for(pool, model)
     _check_holds_model(pool, model)
     pool.check_weights(model)  # pages computed by weights changed since must not be saved under the new ones
+    if pool.drop_if_rewritten(model):  # (the fingerprint below digests the weights' contents as they are now)
+        raise ValueError(
+            f"the {type(model).__name__}'s weights changed since the pool's cached prefixes were computed, through "
+            "writes no check sees (into param.data: peft's merge_and_unload() and hotswap_adapter write so); the "
+            "prefixes of the old weights were dropped and nothing was saved: generate again, then save")
     nodes = list(pool.prefix_cache.nodes())
     position = {id(n): i for i, n in enumerate(nodes)}
     index = [[position.get(id(n.parent), -1), list(n.tokens)] for n in nodes]
@@ -372,7 +382,7 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
             raise ValueError(f"{path} is not an astrai-hf prefix cache (format={meta.get('format')!r})")
         if meta.get("version") != VERSION:
             raise ValueError(f"{path} has prefix cache version {meta.get('version')!r}; this release reads {VERSION}")
-        saved = json.loads(meta["fingerprint"])
+        saved = _saved_fingerprint(path, meta)
         if "config" not in saved or saved.get("weights_digest") != _WEIGHTS_DIGEST:
             raise ValueError(
                 f"{path} was saved by an earlier release of astrai-hf, whose fingerprint of the model this release "
@@ -385,9 +395,13 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
             raise ValueError(f"{path} was saved for a different model or pool; refusing to load it ({'; '.join(diff)})")
         index = _read_index(path, meta, pool.page_size)
         _check_tensors(path, f, pool, len(index))
+        # read once, into memory of their own (safetensors maps the file): the pages copied are the bytes the
+        # digest checked, even where the file is rewritten in place meanwhile (a copy or rsync onto it; a save of
+        # astrai-hf's own writes a new file instead)
+        names = [f"{name}.{layer}" for layer in range(pool.num_layers) for name in "kv"]
+        tensors = {name: f.get_tensor(name).clone() for name in names}
         if "kv_digest" in meta:  # (files of earlier releases have none)
-            names = [f"{name}.{layer}" for layer in range(pool.num_layers) for name in "kv"]
-            if _kv_digest(meta["index"], (f.get_tensor(name) for name in names)) != meta["kv_digest"]:
+            if _kv_digest(meta["index"], (tensors[name] for name in names)) != meta["kv_digest"]:
                 raise ValueError(f"{path}: the index and K/V data do not match the digest saved with them (the "
                                  "file is damaged); refusing to load it")
         pool.check_weights(model)  # cached pages of weights changed since must not shadow the file's
@@ -417,7 +431,7 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
                 slots_on = _slots_by_device([p for _, p in placed], ps)
                 for layer in range(pool.num_layers):
                     for name, store in (("k", pool.storage.k[layer]), ("v", pool.storage.v[layer])):
-                        pages = f.get_tensor(f"{name}.{layer}").index_select(0, src)
+                        pages = tensors[f"{name}.{layer}"].index_select(0, src)
                         store.index_copy_(0, slots_on(store.device),
                                           pages.reshape(-1, *store.shape[1:]).to(store.device, store.dtype))
         except BaseException:
@@ -430,6 +444,23 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         logger.warning("loaded %d of the %d pages in %s: the pool had no free page for the other %d (loading "
                        "evicts nothing)", len(placed), len(index), path, skipped)
     return len(placed)
+
+
+def _saved_fingerprint(path: Path, meta: dict) -> dict:
+    """The fingerprint a file's header holds, a JSON object.
+
+    Raises:
+        ValueError: the header has none, or one that is not a JSON object (a damaged file).
+    """
+    text = meta.get("fingerprint")
+    try:
+        saved = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        saved = None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: its header's fingerprint field is {'missing' if text is None else 'damaged'} "
+                         f"({text!r:.80}); the file is damaged, refusing to load it")
+    return saved
 
 
 def _kv_digest(index: str, tensors) -> str:

@@ -510,6 +510,7 @@ class PagePool:
         """
         current = self._model_ref() if self._model_ref is not None else None
         if current is model:
+            self.drop_if_rewritten(model)  # (patch() again: a write into param.data since is seen here)
             return
 
         ranks = rank_group(attention_modules(model))
@@ -559,6 +560,29 @@ class PagePool:
             self._weights_version = self._fingerprints[model][0]
             return
         self._weights_version = _WeightsVersion(model)
+
+    def drop_if_rewritten(self, model: torch.nn.Module) -> bool:
+        """Compare the bound ``model``'s weights with the digest of the last check, by their contents: writes into
+        ``param.data`` (peft's ``merge_and_unload()`` and ``hotswap_adapter`` write so) move no version counter, so
+        :meth:`check_weights` does not see them. Where they differ, drop the cached prefixes and take the digest
+        again. One pass over the weights, taken only while prefixes are cached; done by ``patch()`` of a model this
+        pool is bound to, and by :meth:`save_prefix_cache`.
+
+        Returns:
+            True when the prefixes were dropped.
+        """
+        from .persist import weights_fingerprint
+
+        if (self.prefix_cache is None or not len(self.prefix_cache) or self._model_fingerprint is None
+                or model is not self.model):
+            return False
+        if weights_fingerprint(model) == self._model_fingerprint.split(".", 1)[0]:
+            return False
+        dropped = self.clear_prefix_cache()
+        logger.warning("the weights of the %s changed since the pool last checked them, in a way no check sees (a "
+                       "write into param.data): dropped %d cached prefix pages computed by the old weights",
+                       type(model).__name__, dropped)
+        return True
 
     def _fingerprint(self, model: torch.nn.Module) -> str:
         """:func:`~astrai_hf.persist.model_fingerprint` of ``model``; its weights digest (one pass over the

@@ -891,6 +891,12 @@ _BROKEN = {
     "a token id past int64": (lambda t, m: m["index"][0][1].__setitem__(0, 2**63), r"ids 0 to 2\*\*63 - 1"),
     # a file damaged in its K/V bytes (header intact) had loaded and served wrong prefixes
     "damaged K/V bytes": (lambda t, m: t["v.1"][1, 2].add_(0.5), "do not match the digest"),
+    # (a bare JSONDecodeError, AttributeError or KeyError before)
+    "a fingerprint that is not JSON": (lambda t, m: m.__setitem__("fingerprint", "{oops"),
+                                       "fingerprint field is damaged"),
+    "a fingerprint that is a JSON list": (lambda t, m: m.__setitem__("fingerprint", []),
+                                          "fingerprint field is damaged"),
+    "no fingerprint": (lambda t, m: m.pop("fingerprint"), "fingerprint field is missing"),
     "damaged K bytes of the first layer": (lambda t, m: t["k.0"][0, 0].add_(0.5), "do not match the digest"),
     "a token of the index changed": (lambda t, m: m["index"][1][1].__setitem__(0, m["index"][1][1][0] ^ 1),
                                      "do not match the digest"),
@@ -936,41 +942,111 @@ def test_a_load_interrupted_while_copying_unindexes_what_it_placed(llama, tmp_pa
     import astrai_hf.persist as persist
 
     path, ids, mask = _saved_file(llama, tmp_path)
-    real_open = persist.safe_open
+    real_slots = persist._slots_by_device
+    copies: list[int] = []
 
-    class Failing:
-        def __init__(self, *args, **kwargs):
-            self.f = real_open(*args, **kwargs)
-            self.reads = 0
+    def slots_by_device(*args):
+        on = real_slots(*args)
 
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def get_tensor(self, name):
-            reads[name] = reads.get(name, 0) + 1
-            if name == "v.1" and reads[name] == 2:  # read once for the digest; then layer 0 copied, layer 1 half
+        def failing(device):
+            copies.append(len(copies))
+            if len(copies) == 4:  # layer 0's K and V copied, layer 1's K, then V
                 raise KeyboardInterrupt
-            return self.f.get_tensor(name)
+            return on(device)
 
-    reads: dict[str, int] = {}
-    monkeypatch.setattr(persist, "safe_open", Failing)
+        return failing
+
+    monkeypatch.setattr(persist, "_slots_by_device", slots_by_device)
     pool = _pool(llama)
     with pytest.raises(KeyboardInterrupt):  # (unindexing parents before children had raised a ValueError)
         pool.load_prefix_cache(path)
-    assert reads == {"k.0": 2, "v.0": 2, "k.1": 2, "v.1": 2}  # the copy was under way: three pages placed
+    assert len(copies) == 4  # the copy was under way: three pages placed
     assert pool.stats()["prefix_cache_pages"] == 0
     _assert_pool_idle(pool)
     monkeypatch.undo()
     ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
     out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
     assert hit == 0 and torch.equal(out, ref)
+
+
+def test_a_save_after_a_write_into_param_data_drops_the_stale_prefixes_and_writes_nothing(tmp_path):
+    # a write through .data moves no version counter: the save had written the old weights' K/V under the new
+    # weights' fingerprint, and a new process with the new weights served them from the file
+    model = tiny_model("llama", max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=18)])
+    pool = _pool(model)
+    _generate(model, pool, ids, mask, max_new_tokens=3)
+    model.model.layers[0].self_attn.v_proj.weight.data.mul_(-1.0)
+    path = tmp_path / "p.safetensors"
+    with pytest.raises(ValueError, match=r"changed since the pool's cached prefixes were computed.*nothing was saved"):
+        pool.save_prefix_cache(path)
+    assert not path.exists() and pool.stats()["prefix_cache_pages"] == 0
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out, hit = _hits(pool, lambda: _generate(model, pool, ids, mask, max_new_tokens=4))
+    assert hit == 0 and torch.equal(out, ref)
+    assert pool.save_prefix_cache(path) == 3  # computed by the new weights: saved, and served from the file
+    fresh = _pool(model)
+    assert fresh.load_prefix_cache(path) == 3
+    out, hit = _hits(fresh, lambda: _generate(model, fresh, ids, mask, max_new_tokens=4))
+    assert hit == 39 and torch.equal(out, ref)
+    _assert_pool_idle(pool)
+    _assert_pool_idle(fresh)
+
+
+def test_a_peft_merge_and_unload_between_two_patches_onto_one_pool_drops_the_prefixes():
+    # merge_and_unload() writes the LoRA delta through .data and leaves the modules as they were before the adapter:
+    # patching the merged model onto the pool again had served the prefixes of the weights before the merge
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama", max_position_embeddings=2048)
+    ids, mask = _batch([_tokens(40, seed=18)])
+    pool = _pool(model)
+    with astrai_hf.patched(model, pool=pool):
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3)
+    assert pool.stats()["prefix_cache_pages"] == 3
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    merged = peft.get_peft_model(model, config).merge_and_unload()
+    assert merged is model
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    with astrai_hf.patched(model, pool=pool):
+        out, hit = _hits(pool, lambda: model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4))
+    assert hit == 0 and torch.equal(out, ref)
+    _assert_pool_idle(pool)
+
+
+def test_a_load_copies_the_bytes_its_digest_checked(llama, tmp_path, monkeypatch):
+    # a file rewritten in place (a copy or rsync onto it) after the digest pass had its new K/V copied under the old
+    # header's index: another prompt's K/V served as this one's
+    import astrai_hf.persist as persist
+
+    path, ids, mask = _saved_file(llama, tmp_path)
+    (tmp_path / "other").mkdir()
+    other, _, _ = _saved_file(llama, tmp_path / "other", seed=21)
+    new_bytes = other.read_bytes()
+    assert len(new_bytes) == len(path.read_bytes())  # same layout: only the ids and K/V differ
+    real_digest = persist._kv_digest
+
+    def digest_then_rewrite(*args):
+        digest = real_digest(*args)
+        with open(path, "r+b") as w:  # the digest checked: another tool rewrites the file in place now
+            w.truncate(0)
+            w.write(new_bytes)
+        return digest
+
+    monkeypatch.setattr(persist, "_kv_digest", digest_then_rewrite)
+    pool = _pool(llama)
+    assert pool.load_prefix_cache(path) == 3
+    monkeypatch.undo()
+    ref = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    out, hit = _hits(pool, lambda: _generate(llama, pool, ids, mask, max_new_tokens=4))
+    assert hit == 39 and torch.equal(out, ref)
+    _assert_pool_idle(pool)
+
+
+def test_a_save_into_a_folder_names_it(llama, tmp_path):
+    pool = _pool(llama)
+    _generate(llama, pool, *_batch([_tokens(40, seed=16)]), max_new_tokens=3)
+    with pytest.raises(IsADirectoryError, match="it is a folder"):
+        pool.save_prefix_cache(tmp_path)
 
 
 def test_a_load_into_a_pool_with_too_few_free_pages_loads_the_first_and_warns(llama, tmp_path, caplog):
