@@ -743,3 +743,34 @@ def test_outputs_besides_the_logits_come_from_each_step_with_the_batchs_rows(cap
     for a, b in zip(got, want):
         torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
         torch.testing.assert_close(extra(a), extra(b), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("first", ["early exit", "plain"])
+def test_early_exit_drafts_and_plain_steps_each_run_the_depth_of_their_step(captured, first):
+    # early exit lowers config.num_hidden_layers while it drafts: a graph captured in a draft (1 layer) had been
+    # replayed by the next plain call's steps, and one captured by a plain call (2 layers) by the drafts
+    import copy
+
+    model = tiny_model("llama")
+    # drafts of up to 6 tokens, none cut for confidence (generate() reads these from the drafting model's config)
+    model.generation_config.num_assistant_tokens = 6
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.generation_config.assistant_confidence_threshold = 0.0
+    stock = copy.deepcopy(model)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 8, 5]])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=14, return_dict_in_generate=True,
+              output_scores=True)
+    calls = [dict(assistant_early_exit=1, do_sample=False), dict(do_sample=False)]
+    if first == "plain":
+        calls = [calls[1], dict(assistant_early_exit=1, do_sample=True)]
+    with _patched(model):
+        for call in calls:
+            torch.manual_seed(3)
+            want = stock.generate(ids, **call, **kw)
+            torch.manual_seed(3)
+            got = model.generate(ids, **call, **kw)
+            assert torch.equal(got.sequences, want.sequences), call
+            for a, b in zip(got.scores, want.scores):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        assert _runner(model).replays > 0
+    assert model.config.num_hidden_layers == stock.config.num_hidden_layers
