@@ -231,9 +231,10 @@ class DecodeGraphRunner:
         with torch.inference_mode(False):  # written by every later step, inside inference_mode() or not
             self.workspace = DecodeWorkspace(self.max_batch, pool.req_to_token.trash_row, device)
         self.graphs: dict[int, object] = {}
-        # the layers a forward runs (early exit's drafts lower config.num_hidden_layers for a while): every graph
-        # is captured at this depth and replayed only at it, a step at another runs eagerly
-        self.num_layers = vars(model.config).get("num_hidden_layers")
+        # the layers a forward runs, all the pool's (early exit's drafts lower config.num_hidden_layers for a
+        # while): graphs are captured and replayed at this depth only, a step at another runs eagerly (a replay
+        # also counts its tokens stored in every layer)
+        self.num_layers = pool.config.spec.num_layers
         # a layer that asks the cache for its length gets a Python int, which a graph would keep from its capture
         self.length_readers = length_readers(model)
         if self.length_readers:
@@ -316,7 +317,7 @@ class DecodeGraphRunner:
         fields = vars(model.config) if model is not None else {}
         if any(kwargs.get(k, fields.get(k, fields.get("_" + k))) for k in _OTHER_OUTPUTS):
             return False
-        if fields.get("num_hidden_layers") != self.num_layers:  # a graph runs the layers of its capture
+        if fields.get("num_hidden_layers", self.num_layers) != self.num_layers:  # (a composite config: its text's)
             return False
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and position_ids.dim() != 2:  # M-RoPE's [3 or 4, B, 1]: [B, 1] in the workspace
