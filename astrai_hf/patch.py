@@ -2437,7 +2437,8 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
     else:
         input_ids = attention_mask = None
     by_row = peft_adapters_by_row(model, kwargs) is not None if by_row is None else by_row
-    plain = not _skips_prefix_cache(pool, model, kwargs, config, rope_by_length, embeds_token_types, by_row)
+    plain = not _skips_prefix_cache(pool, model, kwargs, config, rope_by_length, embeds_token_types, by_row,
+                                    attention_mask)
     # room for the new tokens next to each row's prompt pages keeps a row in consecutive slots (read in place); a
     # prompt holding an id outside the vocabulary gets no prefix hit (PagedCache checks), as stock's forward fails
     cache = PagedCache(pool, input_ids, attention_mask, prefix_cache=plain, reserve_new_tokens=new_tokens, model=model,
@@ -2456,10 +2457,12 @@ def _cache_for(pool: PagePool, model, args: tuple, kwargs: dict, config, rope_by
 
 
 def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_length: bool,
-                        embeds_token_types: bool = True, by_row: bool | None = None) -> bool:
+                        embeds_token_types: bool = True, by_row: bool | None = None,
+                        mask: torch.Tensor | None = None) -> bool:
     """Whether a ``generate()`` call can neither build on cached prefixes nor leave its own for later calls. A
     cache of the caller's that the prefix cache pre-filled starts empty in such a call. ``by_row``: the call's
-    :func:`peft_adapters_by_row` found something, where the caller knows already."""
+    :func:`peft_adapters_by_row` found something, where the caller knows already. ``mask``: the call's attention
+    mask [B, L] as ``generate()`` takes it (the one passed, else the one it implies), where the caller knows it."""
     # Candidate generation (prompt lookup, assistant models) crops and re-verifies tokens; outputs of every
     # prompt position (hidden states, attentions) need the whole prompt computed.
     candidates = _candidate_decoding(kwargs, config)
@@ -2467,7 +2470,7 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     # choosing would be handed to a later prompt of the same ids, so such calls neither read nor fill it.
     # Token types (GPT-2 embeds them, type 0 included) likewise; in models that only mask with them (Gemma 3,
     # Qwen2.5-VL processors send zeros with plain text) zeros are plain text.
-    custom_inputs = any(kwargs.get(name) is not None for name in ("inputs_embeds", "position_ids")) or (
+    custom_inputs = kwargs.get("inputs_embeds") is not None or _positions_of_ones_own(kwargs, mask) or (
         embeds_token_types and any(kwargs.get(name) is not None for name in _TOKEN_TYPES))
     # peft's per-call adapter_names choose each row's LoRA adapter, and an activated LoRA adapts the tokens after
     # the last invocation sequence of each call's prompt: K/V the prefix cache, keyed by token ids, does not see
@@ -2489,6 +2492,23 @@ def _skips_prefix_cache(pool: PagePool, model, kwargs: dict, config, rope_by_len
     return bool(candidates or custom_inputs or adapters or autocast or rope_by_length or dropout or custom_loop
                 or _prefill_from_first_column(kwargs, config)
                 or _get(kwargs, config, "output_hidden_states") or _get(kwargs, config, "output_attentions"))
+
+
+def _positions_of_ones_own(kwargs: dict, mask: torch.Tensor | None = None) -> bool:
+    """Whether ``generate(position_ids=...)`` passes other positions than those ``generate()`` computes from the
+    attention mask (``mask``, else the one passed: its running sum less one, at the columns it leaves unmasked): K/V
+    at such positions are no prefix of a later prompt of the same ids. An assistant model's drafts are passed the
+    target's positions, which are those; without a mask, or in another shape (M-RoPE's), they count as the
+    caller's own."""
+    positions = kwargs.get("position_ids")
+    mask = kwargs.get("attention_mask") if mask is None else mask
+    if positions is None:
+        return False
+    if (not isinstance(positions, torch.Tensor) or not isinstance(mask, torch.Tensor) or positions.dim() != 2
+            or mask.shape != positions.shape):
+        return True
+    real = mask.to(positions.device) != 0
+    return not torch.equal(positions[real], (real.long().cumsum(-1) - 1)[real])
 
 
 def _prefill_from_first_column(kwargs: dict, config) -> bool:

@@ -950,6 +950,50 @@ def test_kv_from_embeddings_or_custom_positions_never_reach_the_prefix_cache(cus
         assert _used(model) == 0
 
 
+def test_the_positions_generate_computes_passed_by_hand_reach_the_prefix_cache():
+    # (the positions transformers hands an assistant model's drafts: taken for positions of the caller's own)
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([12, 7], seed=3)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    kw = dict(attention_mask=mask, position_ids=positions, max_new_tokens=6, do_sample=False)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        assert torch.equal(model.generate(ids, **kw), ref)
+        hits = pool.stats()["prefix_hit_tokens"]
+        assert torch.equal(model.generate(ids, **kw), ref)
+        assert pool.stats()["prefix_hit_tokens"] - hits == 11 + 6  # all but each row's last prompt token
+        assert _used(model) == 0
+
+
+def test_an_assistant_model_computes_each_rounds_new_tokens_only(monkeypatch):
+    # each round of assisted decoding hands the drafting model the sequence so far, the cache it returned last
+    # round and the target's positions: those kept every round out of the prefix cache, and the patched assistant
+    # computed the whole sequence again at each round
+    target = tiny_model("llama", max_position_embeddings=1024)
+    assistant = tiny_model("llama", seed=3, max_position_embeddings=1024)
+    for m in (target, assistant):
+        m.generation_config.pad_token_id = m.config.pad_token_id = VOCAB - 1  # (one these models do not emit here)
+    x = torch.randint(3, VOCAB - 8, (1, 120), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=30, assistant_model=assistant)
+    computed = []
+    embed = torch.nn.Embedding.forward
+
+    def counting(self, input_ids):
+        if self is assistant.get_input_embeddings():
+            computed.append(input_ids.shape[-1])
+        return embed(self, input_ids)
+
+    monkeypatch.setattr(torch.nn.Embedding, "forward", counting)
+    ref = target.generate(x, **kw)
+    stock = sum(computed)
+    computed.clear()
+    with astrai_hf.patched(assistant, max_tokens=1024, page_size=4):
+        assert torch.equal(target.generate(x, **kw), ref)
+        assert _used(assistant) == 0
+    assert len(computed) > 3 and computed[0] == 120 and sum(computed) <= stock, computed
+
+
 def test_a_pad_token_that_starts_a_prompt_without_a_mask_is_padding_as_in_stock():
     from tiny_models import BOS
 
