@@ -227,9 +227,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return f"{weights_fingerprint(model)}.{config_fingerprint(model)}"
 
 
-def fingerprint(pool, model: torch.nn.Module) -> dict[str, str | int]:
+def fingerprint(pool, model: torch.nn.Module, weights: str | None = None) -> dict[str, str | int]:
     """What a saved prefix cache must match to be loaded: the pool's KV geometry, dtype, page size and the model's
-    architecture, weights and config."""
+    architecture, weights and config. ``weights``: the model's :func:`weights_fingerprint`, where the caller has
+    taken it already (one pass over the weights)."""
     spec = pool.config.spec
     return {
         "architecture": type(model).__name__,
@@ -240,7 +241,7 @@ def fingerprint(pool, model: torch.nn.Module) -> dict[str, str | int]:
         "dtype": str(pool.dtype).removeprefix("torch."),
         "page_size": pool.page_size,
         "weights_digest": _WEIGHTS_DIGEST,
-        "weights": weights_fingerprint(model),
+        "weights": weights_fingerprint(model) if weights is None else weights,
         "config": config_fingerprint(model),
     }
 
@@ -316,7 +317,8 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     model = _model_for(pool, model)
     _check_holds_model(pool, model)
     pool.check_weights(model)  # pages computed by weights changed since must not be saved under the new ones
-    if pool.drop_if_rewritten(model):  # (the fingerprint below digests the weights' contents as they are now)
+    weights = weights_fingerprint(model)  # (one pass over the weights, for the check and the file's fingerprint)
+    if pool.drop_if_rewritten(model, weights):
         raise ValueError(
             f"the {type(model).__name__}'s weights changed since the pool's cached prefixes were computed, through "
             "writes no check sees (into param.data: peft's merge_and_unload() and hotswap_adapter write so); the "
@@ -338,7 +340,7 @@ def save_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
     metadata = {
         "format": FORMAT,
         "version": VERSION,
-        "fingerprint": json.dumps(fingerprint(pool, model), sort_keys=True),
+        "fingerprint": json.dumps(fingerprint(pool, model, weights), sort_keys=True),
         "index": index_text,
         "kv_digest": _kv_digest(index_text, (tensors[name] for name in names)),
     }

@@ -561,12 +561,13 @@ class PagePool:
             return
         self._weights_version = _WeightsVersion(model)
 
-    def drop_if_rewritten(self, model: torch.nn.Module) -> bool:
+    def drop_if_rewritten(self, model: torch.nn.Module, weights: str | None = None) -> bool:
         """Compare the bound ``model``'s weights with the digest of the last check, by their contents: writes into
         ``param.data`` (peft's ``merge_and_unload()`` and ``hotswap_adapter`` write so) move no version counter, so
         :meth:`check_weights` does not see them. Where they differ, drop the cached prefixes and take the digest
         again. One pass over the weights, taken only while prefixes are cached; done by ``patch()`` of a model this
-        pool is bound to, and by :meth:`save_prefix_cache`.
+        pool is bound to, and by :meth:`save_prefix_cache`. ``weights``: the model's
+        :func:`~astrai_hf.persist.weights_fingerprint`, where the caller has taken it already.
 
         Returns:
             True when the prefixes were dropped.
@@ -576,7 +577,7 @@ class PagePool:
         if (self.prefix_cache is None or not len(self.prefix_cache) or self._model_fingerprint is None
                 or model is not self.model):
             return False
-        if weights_fingerprint(model) == self._model_fingerprint.split(".", 1)[0]:
+        if (weights_fingerprint(model) if weights is None else weights) == self._model_fingerprint.split(".", 1)[0]:
             return False
         dropped = self.clear_prefix_cache()
         logger.warning("the weights of the %s changed since the pool last checked them, in a way no check sees (a "
