@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="print the pool statistics of each patched model still alive when the script ends")
     run.add_argument("--quiet", action="store_true", help="do not print a line to stderr when a model is patched")
     run.add_argument("script", help="the script, run as __main__")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    # (optional: a missing script is reported alone, not with it)
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments").required = False
     bench = sub.add_parser("bench", parents=[with_model], help="benchmarks side by side: decode tok/s and KV bytes, prefix cache, packed prefill "
                            "(about 13 minutes on 2 CPU cores for all three)")
     bench.add_argument("--out", type=Path, default=None, help="folder for the markdown tables and JSON")

@@ -2220,10 +2220,21 @@ def _follow_model(model, state: PatchState) -> None:
     device or grew a layer; a pool of the caller's that no longer fits is refused, naming what differs."""
     _sync_modules(model, state)
     if not state.pool.fits_placement(state.modules, model):
-        if state.own_pool_kwargs is not None and not {"dtype", "device"} & set(state.own_pool_kwargs):
+        pinned = None if state.own_pool_kwargs is None else sorted({"dtype", "device"} & set(state.own_pool_kwargs))
+        if pinned == []:
             _rebuild_pool(model, state)
-        else:  # the caller's pool (or one of a given dtype or device): name what no longer fits, before a step
+        elif pinned is None:  # the caller's pool: name what no longer fits, before a step
             state.pool.check_model(model)
+        else:  # a pool patch() built where the caller pinned its dtype or device: patch() again is the fix
+            try:
+                state.pool.check_model(model)
+            except (TypeError, ValueError) as error:
+                given = ", ".join(f"{name}={state.own_pool_kwargs[name]!r}" for name in pinned)
+                raise type(error)(
+                    f"{str(error).split('; build the pool')[0]}; patch() built the pool with {given}, kept where the "
+                    f"model moves: call astrai_hf.patch(model, {'=..., '.join(pinned)}=...) again with the model's "
+                    f"current {' and '.join(pinned)}, or astrai_hf.unpatch(model) and patch it again without them"
+                ) from None
 
 
 def _rebuild_pool(model, state: PatchState) -> None:

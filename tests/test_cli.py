@@ -160,6 +160,14 @@ def test_an_unknown_option_is_named_with_the_commands_own_usage(capsys):
     assert "unrecognized arguments: --max-tokens 5" in err
 
 
+def test_run_without_a_script_names_the_script_alone(capsys):
+    # the script's own arguments are optional: the message had named them as missing too
+    with pytest.raises(SystemExit):
+        main(["run", "--report"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("the following arguments are required: script"), err
+
+
 def test_a_first_line_that_ends_in_a_colon_keeps_what_follows():
     from astrai_hf.cli import _first_line
 

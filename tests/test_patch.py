@@ -1,5 +1,7 @@
 """patch() / unpatch(): the one-line entry point."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -377,16 +379,27 @@ def test_copies_of_a_patched_model():
     assert torch.equal(model.generate(ids, **kw), ref)
 
 
-def test_a_pool_pinned_to_a_dtype_is_not_rebuilt_when_the_model_moves():
+@pytest.mark.parametrize("pinned", [dict(dtype=torch.float32), dict(device="cpu"),
+                                    dict(dtype=torch.float32, device="cpu")])
+def test_a_pool_pinned_to_a_dtype_is_not_rebuilt_when_the_model_moves(pinned):
     model = tiny_model("llama")
     ids, mask = left_padded_batch([5, 9])
-    astrai_hf.patch(model, max_tokens=512, dtype=torch.float32)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16).generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=512, **pinned)
     pool = astrai_hf.get_pool(model)
     model.to(torch.bfloat16)
     try:
-        with pytest.raises(TypeError, match="pool stores torch.float32"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        # the error names what was pinned and the patch() call that fixes it (not a pool the caller never built)
+        pins = "=..., ".join(sorted(pinned)) + "=..."
+        with pytest.raises(TypeError, match=rf"pool stores torch.float32; patch\(\) built the pool with "
+                                            rf".*astrai_hf.patch\(model, {pins}\) again") as raised:
+            model.generate(ids, **kw)
+        assert "PagePool.from_model" not in str(raised.value)
         assert astrai_hf.get_pool(model) is pool
+        astrai_hf.patch(model, **{name: model.dtype if name == "dtype" else "cpu" for name in pinned})
+        assert astrai_hf.get_pool(model).dtype == torch.bfloat16
+        assert torch.equal(model.generate(ids, **kw), bf16)
     finally:
         astrai_hf.unpatch(model)
 
