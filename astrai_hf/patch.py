@@ -1087,7 +1087,9 @@ def _wrap_forward(owner, forward, state: PatchState):
             return forward(*args, **kwargs)
         if _custom_mask(kwargs, check_token_types=not cache.made_by_generate):
             # a mask of the caller's making (a 4D mask for packed documents or trees; Gemma 3's bidirectional image
-            # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool
+            # spans from token_type_ids): the model's own attention applies it, over K/V gathered from the pool;
+            # K/V computed under another mask are no prefix for a later prompt of the same ids
+            cache._rows.reusable = False
             return forward(*args, **kwargs)
         if dropout_active(state.watched.dropout) or _own_attention(state) is not None:
             # training mode with dropout: the model's own attention applies its dropout (paged attention has none);

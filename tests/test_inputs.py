@@ -291,6 +291,35 @@ def test_gemma3_image_spans_attend_both_ways_as_stock():
     assert pool.stats()["num_used_pages"] == 0
 
 
+@pytest.mark.parametrize("inputs", ["gemma3 image", "qwen2_vl image", "4D mask"])
+def test_a_forward_of_your_own_under_a_mask_of_its_own_leaves_the_prefix_cache_alone(inputs):
+    # token types marking an image span (attended both ways), or a 4D mask of the caller's, took the model's own
+    # attention and left the cache's K/V marked for the prefix cache: a later text call of the same ids (image
+    # placeholders fed as text, or packed documents as one) was served K/V computed under that other mask
+    if inputs == "gemma3 image":
+        model, ids = _gemma3_multimodal(), torch.tensor([[1, 93] + [IMG] * 4 + [94, 10, 11, 12, 13]])
+        forward = dict(pixel_values=_images()[0], token_type_ids=(ids == IMG).long())
+    elif inputs == "qwen2_vl image":
+        image = _qwen2_vl_image(grid=(1, 4, 4))
+        model, ids = _qwen2_vl(), image.pop("input_ids")
+        forward = image
+    else:
+        model, ids = tiny_model("llama"), torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+        allowed = torch.ones(12, 12, dtype=torch.bool).tril()
+        allowed[6:, :6] = False  # two packed documents of 6 tokens, positions counted from the cache (not restarted)
+        forward = dict(attention_mask=torch.zeros(1, 1, 12, 12).masked_fill(~allowed, float("-inf")))
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    stock = model.generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=1024, page_size=4)
+    pool = astrai_hf.get_pool(model)
+    with torch.no_grad(), PagedCache(pool, ids, mask) as cache:
+        model(**dict(dict(input_ids=ids, attention_mask=mask, use_cache=True, past_key_values=cache), **forward))
+    assert pool.stats()["num_cached_pages"] == 0
+    assert torch.equal(model.generate(ids, **kw), stock)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def test_attention_of_a_vision_tower_is_not_taken_for_decoder_layers():
     # Gemma 4's vision encoder layers carry a layer_idx too; only the text decoder's attention owns the cache
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
