@@ -1069,6 +1069,18 @@ def _wrap_forward(owner, forward, state: PatchState):
             state.watched = watched_modules(model)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if not cache.made_by_generate and cache._rows.reusable is not False:
+            if input_ids is None and inputs is not None:
+                # embeddings of the caller's (a soft prompt): their K/V are not those of the ids the cache was
+                # built with
+                cache._rows.reusable = False
+            elif ((not cache._first_step_planned or (isinstance(inputs, torch.Tensor) and inputs.dim() >= 2
+                                                      and inputs.shape[1] > 1))
+                  and not cache.pool.computes_as_checked(model)):
+                # a change since the cache's lookup (a hook for this forward, a module or parameter swapped in,
+                # the config), undone before its release would go unseen by the next call's check: this
+                # forward's K/V are no prefix for it
+                cache._rows.reusable = False
         if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
             # (a first forward that falls back below stores through update(), which is not given the mask)
             cache.note_padding(kwargs.get("attention_mask"), *inputs.shape[:2])

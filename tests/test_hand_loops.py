@@ -411,6 +411,84 @@ def test_tokens_fed_after_embeddings_of_ones_own_offer_nothing_to_the_prefix_cac
     assert pool.stats()["num_used_pages"] == 0
 
 
+def test_embeddings_fed_on_a_cache_built_with_the_prompt_offer_nothing_to_the_prefix_cache():
+    # the cache took the K/V of the forward's embeddings (a soft prompt, scaled) for those of the ids it was built
+    # with, and a later call of those ids was served them
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([9])
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    ref = model.generate(ids, **kw)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        with PagedCache(pool, ids, mask) as cache, torch.no_grad():
+            model(inputs_embeds=model.get_input_embeddings()(ids) * 1.5, attention_mask=mask,
+                  **{astrai_hf.cache_kwarg(model): cache})
+        assert pool.stats()["num_cached_pages"] == 0
+        assert torch.equal(model.generate(ids, **kw), ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
+def _steer(module, args, out):
+    return (out[0] + 1.0, *out[1:]) if isinstance(out, tuple) else out + 1.0
+
+
+@contextlib.contextmanager
+def _for_one_forward(model, change):
+    """A change of ``model`` made for one forward and undone after it."""
+    layer = model.model.layers[0]
+    if change == "forward hook":
+        handle = layer.register_forward_hook(_steer)
+        yield
+        handle.remove()
+    elif change == "global forward hook":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out + 1.0 if isinstance(m, torch.nn.Embedding) else None)
+        yield
+        handle.remove()
+    elif change == "submodule swapped":
+        act = layer.mlp.act_fn
+        layer.mlp.act_fn = torch.nn.Softplus(beta=2)
+        yield
+        layer.mlp.act_fn = act
+    elif change == "parameter reassigned":
+        emb = model.model.embed_tokens
+        weight = emb.weight
+        emb.weight = torch.nn.Parameter(weight.detach() + 0.5)
+        yield
+        emb.weight = weight
+    elif change == "sliding window":
+        window = model.config.sliding_window
+        model.config.sliding_window = 2
+        yield
+        model.config.sliding_window = window
+
+
+@pytest.mark.parametrize("change", ["forward hook", "global forward hook", "submodule swapped",
+                                    "parameter reassigned", "sliding window"])
+@pytest.mark.parametrize("step", ["prefill", "extend"])
+def test_a_change_made_and_undone_within_a_caches_life_keeps_its_k_v_from_later_calls(change, step):
+    # the prefix cache is checked against the model at a lookup: a change undone before the cache's release was
+    # never seen, and a later call of the same ids was served K/V the change computed
+    model = tiny_model("qwen2" if change == "sliding window" else "llama")
+    ids, mask = left_padded_batch([11])
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    ref = model.generate(ids, **kw)
+    name = astrai_hf.cache_kwarg(model)
+    with astrai_hf.patched(model, max_tokens=512, page_size=4):
+        pool = astrai_hf.get_pool(model)
+        with PagedCache(pool, ids, mask) as cache, torch.no_grad():
+            if step == "extend":  # a plain first forward, then the change for the next tokens only
+                model(input_ids=ids[:, :6], attention_mask=mask[:, :6], **{name: cache})
+                ids_fed, mask_fed = ids[:, 6:], mask
+            else:
+                ids_fed, mask_fed = ids, mask
+            with _for_one_forward(model, change):
+                model(input_ids=ids_fed, attention_mask=mask_fed, **{name: cache})
+        assert pool.stats()["num_cached_pages"] == 0
+        assert torch.equal(model.generate(ids, **kw), ref)
+    assert pool.stats()["num_used_pages"] == 0
+
+
 def _failing_midway_setup():
     """A tiny llama, a left-padded prompt of 2 rows and its mask, the mask and tokens of the next step, and the
     keywords handing a forward a cache."""
