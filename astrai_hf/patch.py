@@ -397,6 +397,15 @@ class _OnInstance:
         return self.fn(_alive(self.ref), *self.extra, *args)
 
 
+def _current_method(model_ref, name: str, original):
+    """The model's method ``name`` as it is now, for a call whose wrapper (made over ``original`` with
+    ``functools.wraps``) was unpatched while it waited: another patch's wrapper, or the model's own method;
+    ``original`` where the model still holds that wrapper. (The wrapper is not passed: a function holding itself
+    in its closure would be a reference cycle, keeping the model's pool until the garbage collector runs.)"""
+    method = getattr(_alive(model_ref), name)
+    return original if getattr(method, "__wrapped__", None) is original else method
+
+
 def _alive(ref):
     """The object behind the weak reference ``ref``.
 
@@ -1037,12 +1046,15 @@ def _wrap_forward(owner, forward, state: PatchState):
             # fullgraph the error reaches the caller, naming the fix
             raise NotImplementedError(_fullgraph_message(owner_name))
         with _one_call(state, cache.pool if isinstance(cache, PagedCache) else None):
-            try:
-                return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
-            except Exception as e:
-                if isinstance(cache, PagedCache) and _fullgraph_refused(e):
-                    raise NotImplementedError(_fullgraph_message(owner_name)) from e
-                raise
+            if state.install_token is token:
+                try:
+                    return _paged_forward(_alive(model_ref), cache, *args, **kwargs)
+                except Exception as e:
+                    if isinstance(cache, PagedCache) and _fullgraph_refused(e):
+                        raise NotImplementedError(_fullgraph_message(owner_name)) from e
+                    raise
+        # unpatched (and maybe patched again) while this forward waited for the locks: the model's forward as it is
+        return _current_method(model_ref, "forward", forward)(*args, **kwargs)
 
     def _paged_forward(model, cache, /, *args, **kwargs):  # (positional only: `cache=` is a forward kwarg)
         if not isinstance(cache, PagedCache) or kwargs.get("use_cache") is False or cache.stock_attention:
@@ -1429,15 +1441,20 @@ def _wrap_generate(owner, generate, state: PatchState):
         # (a cache an earlier patched call returned is released: its pool, held weakly, plays no part)
         theirs = given.pool if isinstance(given, PagedCache) and "pool" in vars(given) else None
         with _one_call(state, theirs, *also):
-            state.generating += 1
-            try:
-                return _paged_generate(_alive(model_ref), *args, **kwargs)
-            except Exception as e:
-                if _fullgraph_refused(e):  # (the patched forward compiled whole: the refusal above, as dynamo words it)
-                    raise NotImplementedError(_fullgraph_message(owner_name)) from e
-                raise
-            finally:
-                state.generating -= 1
+            if state.install_token is token:
+                state.generating += 1
+                try:
+                    return _paged_generate(_alive(model_ref), *args, **kwargs)
+                except Exception as e:
+                    if _fullgraph_refused(e):  # (the patched forward compiled whole: the refusal above, as dynamo words it)
+                        raise NotImplementedError(_fullgraph_message(owner_name)) from e
+                    raise
+                finally:
+                    state.generating -= 1
+        # unpatched (and maybe patched again) while this call waited for the locks: the call is the model's
+        # generate() as it is now, under that patch's locks (run on this one, its forwards would take the new
+        # patch's lock while holding the pool's, against a thread taking the two the other way round)
+        return _current_method(model_ref, "generate", generate)(*args, **kwargs)
 
     def _paged_generate(model, *args, **kwargs):
         args, kwargs = _without_empty_ids(args, kwargs)

@@ -313,3 +313,53 @@ def test_a_step_that_takes_over_a_prefix_page_runs_no_garbage_collection(llama, 
     assert collections == []
     pool.allocator.decref(filler)
     assert pool.stats()["num_used_pages"] == 0
+
+
+@pytest.mark.parametrize("then", ["patched again", "unpatched"])
+def test_a_call_that_waited_through_unpatch_runs_as_the_model_is_now(monkeypatch, then):
+    # a call waiting for the locks while another thread unpatched the model (and patched it again) ran on the old
+    # patch, holding its lock and the pool's, while its forwards took the new patch's lock: a thread that took the
+    # new patch's lock first (the next unpatch()) and then the pool's waited for it, and it for that thread
+    import importlib
+
+    patch_module = importlib.import_module("astrai_hf.patch")
+    model = tiny_model("llama")
+    pool = PagePool.from_model(model, max_tokens=512)
+    ids, mask = left_padded_batch([4, 7], seed=0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    ref = model.generate(ids, **kw)
+    astrai_hf.patch(model, pool=pool)
+    old = model.__dict__[patch_module._STATE_ATTR]
+    waiting, seen, result = threading.Event(), [], {}
+    call_locks = patch_module._call_locks
+
+    def noting_call_locks(*items):
+        if threading.current_thread().name == "caller":
+            waiting.set()
+        return call_locks(*items)
+
+    monkeypatch.setattr(patch_module, "_call_locks", noting_call_locks)
+
+    def caller():
+        result["out"] = model.generate(ids, **kw)
+
+    with old.lock, pool.call_lock:  # a call under way: the caller waits for the locks, past the patch's check
+        thread = threading.Thread(target=caller, name="caller", daemon=True)
+        thread.start()
+        assert waiting.wait(30)
+        astrai_hf.unpatch(model)  # (the same thread: the locks are taken again)
+        if then == "patched again":
+            astrai_hf.patch(model, pool=pool)
+            new = model.__dict__[patch_module._STATE_ATTR]
+            # the call's forwards run under the new patch's lock (and the pool's), not the old one's
+            model.model.register_forward_pre_hook(
+                lambda module, args: seen.append((new.lock._is_owned(), old.lock._is_owned())))
+    thread.join(60)
+    assert not thread.is_alive(), "the waiting call hung"
+    assert torch.equal(result["out"], ref)
+    if then == "patched again":
+        assert seen and all(now and not before for now, before in seen), seen
+        astrai_hf.unpatch(model)
+    else:
+        assert not astrai_hf.is_patched(model)
+    assert pool.stats()["num_used_pages"] == 0
