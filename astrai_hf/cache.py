@@ -1237,7 +1237,9 @@ class PagedCache(Cache):
                     f"layer {layer_idx} produced K in {key_states.dtype} and V in {value_states.dtype}, but the pool "
                     f"stores {cfg.dtype}; build the pool in the dtype the model computes K/V in, "
                     f"PagePool.from_model(model, dtype={key_states.dtype}) (a pool holds one dtype: a model whose "
-                    "layers compute K/V in several, a layer kept in float32, is cast to one first)"
+                    "layers compute K/V in several, a layer kept in float32, is cast to one first). A model moved to "
+                    "another dtype during a call (by another thread, or a streamer or callback) fails this call; a "
+                    "pool patch() built follows the move at the next call"
                 )
             if key_states.device != cfg.layer_devices[layer_idx]:
                 raise ValueError(

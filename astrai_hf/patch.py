@@ -410,15 +410,18 @@ def _alive(ref):
     """The object behind the weak reference ``ref``.
 
     Raises:
-        ReferenceError: it has been freed: a method saved from a patched model, or a shallow copy of it, outlived
-            the model (patch() holds the model weakly, so that deleting it frees its pool at once).
+        ReferenceError: it has been freed: a method saved from a patched model, a shallow copy of it, or a call
+            chained on a model no variable holds outlived the model (patch() holds the model weakly, so that
+            deleting it frees its pool at once).
     """
     obj = ref()
     if obj is None:
         raise ReferenceError(
-            "the model astrai-hf patched has been freed: a method saved from it (model.generate, model.forward) or "
-            "a shallow copy.copy() of it outlived it, and patch() does not keep the model alive; keep a reference "
-            "to the patched model while you use them (copy.deepcopy gives a copy of its own)"
+            "the model astrai-hf patched has been freed: patch() does not keep the model alive (deleting it frees "
+            "its pool at once), so a method saved from it (model.generate, model.forward), a shallow copy.copy() "
+            "of it, or a call on a model no variable holds (astrai_hf.patch(load()).generate(...), "
+            "copy.deepcopy(model).generate(...)) finds it gone; keep a reference to the patched model while you "
+            "use it"
         )
     return obj
 

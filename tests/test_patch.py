@@ -560,6 +560,18 @@ def test_a_method_saved_from_a_freed_patched_model_says_what_happened():
         generate(ids, attention_mask=mask, max_new_tokens=2)
 
 
+def test_a_call_chained_on_a_patched_model_no_variable_holds_says_what_happened():
+    # the message had named saved methods and shallow copies only, and pointed to copy.deepcopy, itself such a call
+    import copy
+
+    ids, mask = left_padded_batch([5, 9])
+    model = astrai_hf.patch(tiny_model("llama"), max_tokens=256)
+    for chained in (lambda: astrai_hf.patch(tiny_model("llama"), max_tokens=256), lambda: copy.deepcopy(model)):
+        with pytest.raises(ReferenceError, match=r"a call on a model no variable holds .*keep a reference"):
+            chained().generate(ids, attention_mask=mask, max_new_tokens=2)
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=2).shape == (2, 11)
+
+
 @pytest.mark.parametrize("when", ["before patch", "after patch"])
 def test_a_model_sharing_attention_modules_with_a_patched_model_is_refused_and_the_first_keeps_working(when):
     # a reference model sharing its first layer with the policy (TRL's create_reference_model shares layers so):
@@ -699,3 +711,31 @@ def test_layer_idx_is_read_as_getattr_reads_it():
     assert attention_modules(net) == []
     MyAttention.layer_idx = 0
     assert attention_modules(net) == [net[1]]
+
+
+def test_a_model_moved_to_another_dtype_during_a_call_fails_that_call_and_the_next_follows():
+    from transformers.generation.streamers import BaseStreamer
+
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9], seed=4)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16).generate(ids, **kw)
+    astrai_hf.patch(model, max_tokens=1024)
+
+    class MovesTheModel(BaseStreamer):  # another cell or thread moving the model while the call runs
+        steps = 0
+
+        def put(self, value):
+            self.steps += 1
+            if self.steps == 3:
+                model.to(torch.bfloat16)
+
+        def end(self):
+            pass
+
+    # the message had only said to build a PagePool, which the caller of patch() never built
+    with pytest.raises(TypeError, match="moved to another dtype during a call .* follows the move at the next call"):
+        model.generate(ids, streamer=MovesTheModel(), **kw)
+    assert astrai_hf.get_pool(model).stats()["num_used_pages"] == 0
+    assert torch.equal(model.generate(ids, **kw), bf16)
+    astrai_hf.unpatch(model)
