@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # named by the command's own parser, whose usage lists the options it takes
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "run":
+        args.args = _script_args(sys.argv[1:] if argv is None else argv, args.script, args.args)
         if args.model is not None:
             print("astrai-hf: --model does not apply to run: the script loads its own models", file=sys.stderr)
             return 2
@@ -173,6 +174,15 @@ def _run_script(args) -> int:
                 autopatch.logger.removeHandler(handler)
                 autopatch.logger.setLevel(saved_level)
     return 0
+
+
+def _script_args(argv: list[str], script: str, parsed: list[str]) -> list[str]:
+    """The script's own arguments as ``python script ...`` hands them on: argparse drops a ``--`` right after the
+    script (``astrai-hf run s.py -- a`` gave ``['a']``, where ``python s.py -- a`` gives ``['--', 'a']``)."""
+    for i, token in enumerate(argv):
+        if token == script and argv[i + 1 : i + 2] == ["--"] and argv[i + 2 :] == parsed:
+            return argv[i + 1 :]
+    return parsed
 
 
 def _run_installed(script: Path, args) -> None:

@@ -397,6 +397,14 @@ class _OnInstance:
         return self.fn(_alive(self.ref), *self.extra, *args)
 
 
+def _assistant_patch(kwargs: dict) -> tuple | None:
+    """The patch state of a ``generate()`` call's ``assistant_model`` and its install token (the token changes when
+    it is unpatched or patched again), or None for a call without a patched assistant."""
+    assistant = kwargs.get("assistant_model")
+    state = getattr(underlying_model(assistant), _STATE_ATTR, None) if isinstance(assistant, torch.nn.Module) else None
+    return None if state is None else (state, state.install_token)
+
+
 def _current_method(model_ref, name: str, original):
     """The model's method ``name`` as it is now, for a call whose wrapper (made over ``original`` with
     ``functools.wraps``) was unpatched while it waited: another patch's wrapper, or the model's own method;
@@ -1438,13 +1446,20 @@ def _wrap_generate(owner, generate, state: PatchState):
                 finally:
                     state.continuous_batching -= 1
         given = _find_cache(kwargs, state.cache_kwarg)
-        assistant = getattr(underlying_model(kwargs["assistant_model"]), _STATE_ATTR, None) if isinstance(
-            kwargs.get("assistant_model"), torch.nn.Module) else None
-        also = (assistant, None) if assistant is not None else ()
         # (a cache an earlier patched call returned is released: its pool, held weakly, plays no part)
         theirs = given.pool if isinstance(given, PagedCache) and "pool" in vars(given) else None
-        with _one_call(state, theirs, *also):
-            if state.install_token is token:
+        while True:
+            assistant = _assistant_patch(kwargs)
+            also = (assistant[0], None) if assistant is not None else ()
+            with _one_call(state, theirs, *also):
+                if state.install_token is not token:
+                    break
+                now = _assistant_patch(kwargs)
+                if (now is None) != (assistant is None) or (now is not None and any(
+                        a is not b for a, b in zip(now, assistant))):
+                    # the assistant model was unpatched or patched again while this call waited: its locks
+                    # are taken anew (holding the old patch's, its forwards would take the new one's)
+                    continue
                 state.generating += 1
                 try:
                     return _paged_generate(_alive(model_ref), *args, **kwargs)
@@ -2263,11 +2278,15 @@ def _follow_model(model, state: PatchState) -> None:
             try:
                 state.pool.check_model(model)
             except (TypeError, ValueError) as error:
+                # what moved: the dtype (a TypeError) or a layer's device; else the model's shape (a layer added)
+                moved = {"dtype": isinstance(error, TypeError), "device": "keeps its K/V on" in str(error)}
                 given = ", ".join(f"{name}={state.own_pool_kwargs[name]!r}" for name in pinned)
+                fix = ", ".join(f"{name}=<the model's {name} now>" if moved[name] else
+                                f"{name}={state.own_pool_kwargs[name]!r}" for name in pinned)
                 raise type(error)(
-                    f"{str(error).split('; build the pool')[0]}; patch() built the pool with {given}, kept where the "
-                    f"model moves: call astrai_hf.patch(model, {'=..., '.join(pinned)}=...) again with the model's "
-                    f"current {' and '.join(pinned)}, or astrai_hf.unpatch(model) and patch it again without them"
+                    f"{str(error).split('; build the pool')[0]}; patch() built the pool with {given}, which it keeps "
+                    f"where the model changes: call astrai_hf.patch(model, {fix}) again for a pool that fits, or "
+                    "astrai_hf.unpatch(model) and patch it again without them"
                 ) from None
 
 

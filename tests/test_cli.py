@@ -160,6 +160,16 @@ def test_an_unknown_option_is_named_with_the_commands_own_usage(capsys):
     assert "unrecognized arguments: --max-tokens 5" in err
 
 
+@pytest.mark.parametrize("after", [["--", "a"], ["a", "--", "b"], ["--"], ["--", "--quiet"]])
+def test_run_hands_the_script_the_arguments_python_would(after, tmp_path, capsys):
+    # argparse dropped a "--" right after the script: `run s.py -- a` gave ['a'] where `python s.py -- a` gives
+    # ['--', 'a']
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nprint(sys.argv[1:])\n")
+    assert main(["run", "--quiet", str(script), *after]) in (0, None)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(after)
+
+
 def test_run_without_a_script_names_the_script_alone(capsys):
     # the script's own arguments are optional: the message had named them as missing too
     with pytest.raises(SystemExit):

@@ -315,6 +315,28 @@ def test_a_step_that_takes_over_a_prefix_page_runs_no_garbage_collection(llama, 
     assert pool.stats()["num_used_pages"] == 0
 
 
+def _waiting_for_the_locks(monkeypatch, patch_module) -> threading.Event:
+    """An event set when the thread named "caller" starts to take a call's locks (past its patch's first check)."""
+    waiting, call_locks = threading.Event(), patch_module._call_locks
+
+    def noting_call_locks(*items):
+        if threading.current_thread().name == "caller":
+            waiting.set()
+        return call_locks(*items)
+
+    monkeypatch.setattr(patch_module, "_call_locks", noting_call_locks)
+    return waiting
+
+
+def _patch_again_noting_locks(model, pool, old, seen: list, patch_module) -> None:
+    """patch() ``model`` onto ``pool`` again, noting in ``seen`` at each of its forwards whether the thread holds
+    the new patch's lock and the old patch's (``old``): the call's forwards must run under the new one's alone."""
+    astrai_hf.patch(model, pool=pool)
+    new = model.__dict__[patch_module._STATE_ATTR]
+    model.model.register_forward_pre_hook(
+        lambda module, args: seen.append((new.lock._is_owned(), old.lock._is_owned())))
+
+
 @pytest.mark.parametrize("then", ["patched again", "unpatched"])
 def test_a_call_that_waited_through_unpatch_runs_as_the_model_is_now(monkeypatch, then):
     # a call waiting for the locks while another thread unpatched the model (and patched it again) ran on the old
@@ -330,15 +352,7 @@ def test_a_call_that_waited_through_unpatch_runs_as_the_model_is_now(monkeypatch
     ref = model.generate(ids, **kw)
     astrai_hf.patch(model, pool=pool)
     old = model.__dict__[patch_module._STATE_ATTR]
-    waiting, seen, result = threading.Event(), [], {}
-    call_locks = patch_module._call_locks
-
-    def noting_call_locks(*items):
-        if threading.current_thread().name == "caller":
-            waiting.set()
-        return call_locks(*items)
-
-    monkeypatch.setattr(patch_module, "_call_locks", noting_call_locks)
+    waiting, seen, result = _waiting_for_the_locks(monkeypatch, patch_module), [], {}
 
     def caller():
         result["out"] = model.generate(ids, **kw)
@@ -349,11 +363,7 @@ def test_a_call_that_waited_through_unpatch_runs_as_the_model_is_now(monkeypatch
         assert waiting.wait(30)
         astrai_hf.unpatch(model)  # (the same thread: the locks are taken again)
         if then == "patched again":
-            astrai_hf.patch(model, pool=pool)
-            new = model.__dict__[patch_module._STATE_ATTR]
-            # the call's forwards run under the new patch's lock (and the pool's), not the old one's
-            model.model.register_forward_pre_hook(
-                lambda module, args: seen.append((new.lock._is_owned(), old.lock._is_owned())))
+            _patch_again_noting_locks(model, pool, old, seen, patch_module)
     thread.join(60)
     assert not thread.is_alive(), "the waiting call hung"
     assert torch.equal(result["out"], ref)
@@ -363,3 +373,37 @@ def test_a_call_that_waited_through_unpatch_runs_as_the_model_is_now(monkeypatch
     else:
         assert not astrai_hf.is_patched(model)
     assert pool.stats()["num_used_pages"] == 0
+
+
+def test_an_assisted_call_that_waited_through_the_assistants_unpatch_takes_its_new_locks(monkeypatch):
+    # the assistant's patch was read before the wait: its drafts ran holding the old patch's lock and the pool's
+    # while taking the new patch's, the nesting that hangs against an unpatch() taking them the other way round
+    import importlib
+
+    patch_module = importlib.import_module("astrai_hf.patch")
+    target, assistant = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    target_pool, assistant_pool = (PagePool.from_model(m, max_tokens=512) for m in (target, assistant))
+    ids, mask = left_padded_batch([6])
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, assistant_model=assistant)
+    ref = target.generate(ids, **kw)
+    astrai_hf.patch(target, pool=target_pool)
+    astrai_hf.patch(assistant, pool=assistant_pool)
+    old = assistant.__dict__[patch_module._STATE_ATTR]
+    waiting, seen, result = _waiting_for_the_locks(monkeypatch, patch_module), [], {}
+
+    def caller():
+        result["out"] = target.generate(ids, **kw)
+
+    with old.lock, assistant_pool.call_lock:
+        thread = threading.Thread(target=caller, name="caller", daemon=True)
+        thread.start()
+        assert waiting.wait(30)
+        astrai_hf.unpatch(assistant)
+        _patch_again_noting_locks(assistant, assistant_pool, old, seen, patch_module)
+    thread.join(60)
+    assert not thread.is_alive(), "the waiting call hung"
+    assert torch.equal(result["out"], ref)
+    assert seen and all(now and not before for now, before in seen), seen
+    for model in (target, assistant):
+        astrai_hf.unpatch(model)
+    assert target_pool.stats()["num_used_pages"] == assistant_pool.stats()["num_used_pages"] == 0
