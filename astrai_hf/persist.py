@@ -9,7 +9,8 @@ File layout (one ``.safetensors`` file)::
                            weights_digest (the scheme of the weights digest), weights (a blake2b digest over every
                            parameter's and buffer's name, shape, dtype and mixed sums of its bytes, see
                            weights_fingerprint), config (a blake2b digest of the config fields that change what the
-                           layers compute)
+                           layers compute), behaviour (a blake2b digest of the modules' classes and forwards, float
+                           settings, hooks and peft adapter state, see behaviour_fingerprint)
               index    JSON list, parents before children: [parent_position or -1, [token ids, page_size or fewer]];
                        only an entry of page_size tokens has children
               kv_digest  blake2b digest of the index text, then of the bytes of k.0, v.0, k.1, ... in that order
@@ -243,7 +244,19 @@ def fingerprint(pool, model: torch.nn.Module, weights: str | None = None) -> dic
         "weights_digest": _WEIGHTS_DIGEST,
         "weights": weights_fingerprint(model) if weights is None else weights,
         "config": config_fingerprint(model),
+        "behaviour": behaviour_fingerprint(model),
     }
+
+
+def behaviour_fingerprint(model: torch.nn.Module) -> str:
+    """A hex digest of what changes the model's outputs besides its weights and config: each module's class and a
+    ``forward`` set on it, its float settings (``scaling``, a swapped activation's ``beta``), the hooks of the
+    caller's, and each peft tuner layer's adapter state (the adapter active, adapters disabled, merged, scaled);
+    see :func:`~astrai_hf.pool.portable_behaviour`."""
+    from .pool import portable_behaviour
+
+    text = json.dumps(portable_behaviour(model))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def _model_for(pool, model):
@@ -385,16 +398,23 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         if meta.get("version") != VERSION:
             raise ValueError(f"{path} has prefix cache version {meta.get('version')!r}; this release reads {VERSION}")
         saved = _saved_fingerprint(path, meta)
-        if "config" not in saved or saved.get("weights_digest") != _WEIGHTS_DIGEST:
+        if "config" not in saved or "behaviour" not in saved or saved.get("weights_digest") != _WEIGHTS_DIGEST:
+            lacks = (f"weights digest {saved.get('weights_digest', 'of sampled values')!r}, this release computes "
+                     f"{_WEIGHTS_DIGEST!r}" if "config" not in saved or saved.get("weights_digest") != _WEIGHTS_DIGEST
+                     else "it holds no digest of the model's adapters, hooks and modules")
             raise ValueError(
                 f"{path} was saved by an earlier release of astrai-hf, whose fingerprint of the model this release "
-                f"cannot check (weights digest {saved.get('weights_digest', 'of sampled values')!r}, this release "
-                f"computes {_WEIGHTS_DIGEST!r}); compute the prefixes again and save a new file"
+                f"cannot check ({lacks}); compute the prefixes again and save a new file"
             )
         mine = fingerprint(pool, model)
         diff = [f"{k}: file {saved.get(k)!r} vs this pool/model {mine[k]!r}" for k in mine if saved.get(k) != mine[k]]
         if diff:
-            raise ValueError(f"{path} was saved for a different model or pool; refusing to load it ({'; '.join(diff)})")
+            hint = ("; behaviour is what the model runs besides its weights and config: the peft adapter active, "
+                    "disabled, merged or scaled, a module or forward swapped, a float attribute such as scaling, "
+                    "hooks of yours; set the model up as it was when the file was saved"
+                    if saved.get("behaviour") != mine["behaviour"] else "")
+            raise ValueError(f"{path} was saved for a different model or pool; refusing to load it "
+                             f"({'; '.join(diff)}){hint}")
         index = _read_index(path, meta, pool.page_size)
         _check_tensors(path, f, pool, len(index))
         # read once, into memory of their own (safetensors maps the file): the pages copied are the bytes the
@@ -402,10 +422,12 @@ def load_prefix_cache(pool, path: str | Path, model: torch.nn.Module | None = No
         # astrai-hf's own writes a new file instead)
         names = [f"{name}.{layer}" for layer in range(pool.num_layers) for name in "kv"]
         tensors = {name: f.get_tensor(name).clone() for name in names}
-        if "kv_digest" in meta:  # (files of earlier releases have none)
-            if _kv_digest(meta["index"], (tensors[name] for name in names)) != meta["kv_digest"]:
-                raise ValueError(f"{path}: the index and K/V data do not match the digest saved with them (the "
-                                 "file is damaged); refusing to load it")
+        if "kv_digest" not in meta:  # (every file whose fingerprint holds the behaviour digest has one)
+            raise ValueError(f"{path} holds no digest of its index and K/V data (the file is damaged); refusing to "
+                             "load it")
+        if _kv_digest(meta["index"], (tensors[name] for name in names)) != meta["kv_digest"]:
+            raise ValueError(f"{path}: the index and K/V data do not match the digest saved with them (the "
+                             "file is damaged); refusing to load it")
         pool.check_weights(model)  # cached pages of weights changed since must not shadow the file's
         cache, alloc, ps = pool.prefix_cache, pool.allocator, pool.page_size
         nodes: list = [None] * len(index)

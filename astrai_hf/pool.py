@@ -1410,6 +1410,71 @@ def _behaviour(model: torch.nn.Module) -> tuple:
     return tuple(state)
 
 
+def portable_behaviour(model: torch.nn.Module) -> list:
+    """:func:`_behaviour` in names another process can compare (a saved prefix cache's fingerprint): each
+    module's class and the ``forward`` set on it, as ``module.qualname``; its float settings by ``repr``; the
+    hooks :func:`_hook_ids` keeps, by the names of their functions; each peft tuner layer's adapter state.
+    Wrappers that leave a forward's values as they are (accelerate's device hooks, ``torch.compile``) count as
+    the forward they wrap, so a file saved from a model dispatched by a ``device_map`` or compiled loads into the
+    plain model."""
+    from torch.nn.modules import module as nn_module
+
+    state: list = [_hook_names(nn_module._global_forward_hooks), _hook_names(nn_module._global_forward_pre_hooks)]
+    for i, m in enumerate(model.modules()):
+        cls, cls_forward, own, settings = _code_and_settings(m)
+        state.append([i, _portable_name(cls), _portable_name(cls_forward), _portable_name(_unwrapped(m, own)),
+                      [[k, repr(v)] for k, v in settings]])
+        hooks = (_hook_names(m._forward_hooks), _hook_names(m._forward_pre_hooks))
+        if any(hooks):
+            state.append([i, *hooks])
+        if isinstance(getattr(cls, "active_adapters", None), property) and isinstance(
+                getattr(cls, "disable_adapters", None), property):  # a peft BaseTunerLayer
+            state.append([i, bool(m.disable_adapters), list(m.active_adapters),
+                          list(getattr(m, "merged_adapters", ())), repr(getattr(m, "scaling", None))])
+    return state
+
+
+# the packages whose forward wrappers compute what the forward they wrap computes
+_TRANSPARENT_WRAPPERS = ("torch.", "accelerate.")
+
+
+def _unwrapped(m: torch.nn.Module, own):
+    """The forward set on ``m``'s instance under the wrappers of :data:`_TRANSPARENT_WRAPPERS` (accelerate keeps
+    the forward it wraps in ``_old_forward``; ``torch.compile`` in ``__wrapped__``); None where that is the class's
+    own ``forward``."""
+    for _ in range(8):
+        if isinstance(own, types.MethodType) and own.__self__ is m and own.__func__ is getattr(type(m), "forward", None):
+            return None  # (checked before unwrapping: the class's forward may be under torch.no_grad() itself)
+        fn = own.func if isinstance(own, functools.partial) else own
+        defined_in = getattr(fn, "__globals__", {}).get("__name__", "")
+        if own is None or not defined_in.startswith(_TRANSPARENT_WRAPPERS):
+            break
+        inner = m.__dict__.get("_old_forward") if isinstance(own, functools.partial) else getattr(own, "__wrapped__", None)
+        if inner is None:
+            break
+        own = inner
+    return own
+
+
+def _portable_name(obj) -> str:
+    """``module.qualname`` of a class or function (a bound method's function, a partial's ``func``), the class
+    name of another callable object; empty for None."""
+    if obj is None:
+        return ""
+    if isinstance(obj, functools.partial):
+        return f"partial({_portable_name(obj.func)})"
+    obj = getattr(obj, "__func__", obj)
+    if not isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
+        obj = type(obj)
+    return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _hook_names(hooks: dict) -> list[str]:
+    """The names of the hooks :func:`_hook_ids` keeps, in order."""
+    kept = set(_hook_ids(hooks))
+    return [_portable_name(fn) for k, fn in list(hooks.items()) if k in kept]
+
+
 # optimizer steps per parameter: a fused optimizer (AdamW(fused=True), transformers' Trainer default
 # adamw_torch_fused) writes the parameters without bumping their version counters
 # (keyed by id(): a tensor's == is elementwise, which weak-key dicts call; an entry goes when its tensor does)

@@ -159,6 +159,12 @@ def test_a_prefix_cache_loaded_before_patch_serves_a_dispatched_model(tmp_path):
     with astrai_hf.patched(model, pool=pool):
         assert torch.equal(model.generate(ids, **kw), ref)
         assert pool.stats()["prefix_hit_tokens"] > 0
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()  # the same model without a device_map
+    plain_pool = PagePool.from_model(plain, max_tokens=256, page_size=4)
+    assert plain_pool.load_prefix_cache(tmp_path / "prefix.safetensors") > 0
+    with astrai_hf.patched(plain, pool=plain_pool):
+        assert torch.equal(plain.generate(ids, **kw), ref)
+        assert plain_pool.stats()["prefix_hit_tokens"] > 0
 
 
 @pytest.mark.parametrize("change", ["hook removed", "hook added"])

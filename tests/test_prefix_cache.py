@@ -823,6 +823,91 @@ def test_load_refuses_another_model_or_page_size(llama, tmp_path):
         fresh.load_prefix_cache(tmp_path / "missing.safetensors")
 
 
+def _lora_model(peft):
+    """A tiny llama with two LoRA adapters, "a" (active) and "b", built alike every time."""
+    base = tiny_model("llama", max_position_embeddings=2048)
+    torch.manual_seed(1)
+    config = dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, peft.LoraConfig(**config), adapter_name="a")
+    torch.manual_seed(2)
+    model.add_adapter("b", peft.LoraConfig(**config))
+    return model.eval()
+
+
+def _disable_adapters(model):
+    model.base_model.disable_adapter_layers()
+
+
+def _scale_adapter_to_zero(model):
+    for m in model.modules():
+        if isinstance(getattr(m, "scaling", None), dict) and "a" in m.scaling:
+            m.scaling["a"] = 0.0
+
+
+_OTHER_BEHAVIOUR = {
+    "another adapter active": lambda model: model.set_adapter("b"),
+    "adapters disabled": _disable_adapters,
+    "the adapter scaled to zero": _scale_adapter_to_zero,
+    "an activation swapped": lambda model: model.base_model.model.model.layers[0].mlp.__setattr__(
+        "act_fn", torch.nn.Softplus(beta=8)),
+    "an attention scaling changed": lambda model: model.base_model.model.model.layers[1].self_attn.__setattr__(
+        "scaling", 0.5),
+    "a hook of yours": lambda model: model.base_model.model.model.layers[0].register_forward_hook(
+        _steer_by_one_tenth),
+}
+
+
+def _steer_by_one_tenth(module, args, output):
+    return (output[0] + 0.1, *output[1:]) if isinstance(output, tuple) else output + 0.1
+
+
+@pytest.mark.parametrize("change", list(_OTHER_BEHAVIOUR))
+def test_a_file_saved_under_one_adapter_or_module_setup_is_refused_by_another(tmp_path, change):
+    # the file's fingerprint held the weights (every adapter's) and the config, not which adapter ran, nor a module
+    # swapped or a float setting changed: a file saved under adapter "a" loaded into the model running "b" and its
+    # pages were served (other tokens than stock)
+    peft = pytest.importorskip("peft")
+    ids, mask = _batch([_tokens(40, seed=21)])
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=4)
+    saver = _lora_model(peft)
+    pool = _pool(saver)
+    with astrai_hf.patched(saver, pool=pool):
+        saver.generate(ids, **kw)
+    path = tmp_path / "a.safetensors"
+    assert pool.save_prefix_cache(path) == 3
+    same = _lora_model(peft)
+    same_pool = _pool(same)
+    assert same_pool.load_prefix_cache(path) == 3  # the same setup in another model object loads the file
+    with astrai_hf.patched(same, pool=same_pool):
+        out, hit = _hits(same_pool, lambda: same.generate(ids, **kw))
+    assert hit == 39 and torch.equal(out, saver.generate(ids, **kw))
+    other = _lora_model(peft)
+    _OTHER_BEHAVIOUR[change](other)
+    other_pool = _pool(other)
+    with pytest.raises(ValueError, match="behaviour: file .* the peft adapter active, disabled, merged or scaled"):
+        other_pool.load_prefix_cache(path)
+    assert other_pool.stats()["prefix_cache_pages"] == 0
+    ref = other.generate(ids, **kw)
+    with astrai_hf.patched(other, pool=other_pool):
+        out, hit = _hits(other_pool, lambda: other.generate(ids, **kw))
+    assert hit == 0 and torch.equal(out, ref)
+    _assert_pool_idle(other_pool)
+
+
+def test_the_behaviour_digest_sees_through_compile_and_device_hooks():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from astrai_hf.persist import behaviour_fingerprint
+
+    model = tiny_model("llama")
+    before = behaviour_fingerprint(model)
+    model.forward = torch.compile(model.forward)  # (lazy: nothing is compiled until a call)
+    add_hook_to_module(model.model.layers[0], ModelHook())
+    assert behaviour_fingerprint(model) == before
+    model.model.layers[1].forward = _steer_by_one_tenth  # a forward of the caller's own is not seen through
+    assert behaviour_fingerprint(model) != before
+
+
 def test_save_with_another_models_weights_is_refused_and_changes_nothing(llama, tmp_path):
     # save_prefix_cache(path, model=other) had bound the pool to the other model, dropping the cached prefixes,
     # and written an empty file under its fingerprint
@@ -897,6 +982,7 @@ _BROKEN = {
     "a fingerprint that is a JSON list": (lambda t, m: m.__setitem__("fingerprint", []),
                                           "fingerprint field is damaged"),
     "no fingerprint": (lambda t, m: m.pop("fingerprint"), "fingerprint field is missing"),
+    "no K/V digest": (lambda t, m: m.pop("kv_digest"), "holds no digest of its index and K/V data"),
     "damaged K bytes of the first layer": (lambda t, m: t["k.0"][0, 0].add_(0.5), "do not match the digest"),
     "a token of the index changed": (lambda t, m: m["index"][1][1].__setitem__(0, m["index"][1][1][0] ^ 1),
                                      "do not match the digest"),
@@ -910,6 +996,8 @@ _BROKEN = {
                                                        "saved by an earlier release"),
     "a fingerprint of sampled weights": (lambda t, m: m["fingerprint"].pop("weights_digest"),
                                          "saved by an earlier release"),
+    "a fingerprint from before the behaviour was in it": (lambda t, m: m["fingerprint"].pop("behaviour"),
+                                                          "saved by an earlier release .* no digest of the model's adapters"),
 }
 
 
