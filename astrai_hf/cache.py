@@ -628,6 +628,17 @@ class PagedCache(Cache):
                 "input_ids[:, cache.get_seq_length():], as generate() does, or build the cache with prefix_cache=False "
                 f"({continuation}){unpatched}"
             )
+        if (not paged and not self._first_step_planned and self.logical_len and given_positions is None
+                and self._prompt_width is not None and q_len > self._prompt_width):
+            # (an unpatched model whose layers hand update() no positions: transformers before 5.24, GPT-NeoX)
+            raise ValueError(
+                f"this PagedCache starts pre-filled with {self.logical_len} of the prompt's {self._prompt_width} "
+                f"columns from the prefix cache, and the first forward feeds {q_len} columns, more than the prompt "
+                "holds, as assisted and prompt-lookup generate() do on an unpatched model (the whole prompt again "
+                "with draft tokens: its columns would be stored twice); this model's layers hand the cache no "
+                "positions, so it cannot tell that from new columns after the cached ones: build the cache with "
+                "prefix_cache=False, or patch the model"
+            )
         if self.prefilled_from_prefix_cache and not self.made_by_generate:
             self._check_prefilled_positions(q_len, given_positions, paged)
         if autocast_on(self.pool):

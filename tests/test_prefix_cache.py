@@ -1544,23 +1544,27 @@ def test_the_whole_prompt_fed_again_to_a_pre_filled_cache_without_positions_is_r
     _assert_pool_idle(pool)
 
 
-def test_prompt_lookup_on_an_unpatched_model_with_a_pre_filled_cache_says_what_to_do(llama):
-    # its first forward feeds the prompt (and candidates) from column 0 whatever the cache holds; the check of
-    # positions had named left padding and position_ids, which do not apply
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version("5.24"):
-        pytest.skip("this transformers release hands update() no position_ids")
-    pool = _pool(llama, max_tokens=1024, page_size=4)
+@pytest.mark.parametrize("drafts", ["prompt lookup", "assistant"])
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_drafts_on_an_unpatched_model_with_a_pre_filled_cache_say_what_to_do(arch, drafts):
+    # their first forward feeds the prompt (and candidates) from column 0 whatever the cache holds; the check of
+    # positions had named left padding and position_ids, which do not apply; and where the layers hand update() no
+    # positions (transformers before 5.24, GPT-NeoX) the prompt was stored twice and other tokens than stock came out
+    model = tiny_model(arch)
+    pool = _pool(model, max_tokens=1024, page_size=4)
     ids = _tokens(7, seed=61)[None]
     ids[:, -3:] = ids[:, -7:-4]  # a repeat for prompt lookup to find
     mask = torch.ones_like(ids)
-    _generate(llama, pool, ids, mask, max_new_tokens=2)
-    with PagedCache(pool, ids, mask, model=llama) as cache:
+    _generate(model, pool, ids, mask, max_new_tokens=2)
+    draft = dict(prompt_lookup_num_tokens=2) if drafts == "prompt lookup" else dict(assistant_model=tiny_model(arch))
+    with PagedCache(pool, ids, mask, model=model) as cache:
         assert cache.get_seq_length() > 0
         with pytest.raises(ValueError, match="as assisted and prompt-lookup generate.. do on an unpatched model.*"
                                              "prefix_cache=False, or patch the model"):
-            llama.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2,
-                           **{_kw(llama): cache})
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **draft,
+                           **{_kw(model): cache})
+    with PagedCache(pool, ids, mask, model=model, prefix_cache=False) as cache:  # the way the error names
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **draft,
+                             **{_kw(model): cache})
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **draft))
     _assert_pool_idle(pool)
