@@ -250,9 +250,10 @@ def fingerprint(pool, model: torch.nn.Module, weights: str | None = None) -> dic
 
 def behaviour_fingerprint(model: torch.nn.Module) -> str:
     """A hex digest of what changes the model's outputs besides its weights and config: each module's class and a
-    ``forward`` set on it, its float settings (``scaling``, a swapped activation's ``beta``), the hooks of the
-    caller's, and each peft tuner layer's adapter state (the adapter active, adapters disabled, merged, scaled);
-    see :func:`~astrai_hf.pool.portable_behaviour`."""
+    ``forward`` set on it (and its code, where it is not a class's own), its float settings (``scaling``; torch's
+    own modules' int and str settings too, a swapped activation's ``beta``), the hooks of the caller's, and each
+    peft tuner layer's adapter state (the adapter active, adapters disabled, merged, scaled); see
+    :func:`~astrai_hf.pool.portable_behaviour`."""
     from .pool import portable_behaviour
 
     text = json.dumps(portable_behaviour(model))

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import hashlib
 import itertools
 import logging
 import numbers
@@ -1411,19 +1412,25 @@ def _behaviour(model: torch.nn.Module) -> tuple:
 
 
 def portable_behaviour(model: torch.nn.Module) -> list:
-    """:func:`_behaviour` in names another process can compare (a saved prefix cache's fingerprint): each
-    module's class and the ``forward`` set on it, as ``module.qualname``; its float settings by ``repr``; the
-    hooks :func:`_hook_ids` keeps, by the names of their functions; each peft tuner layer's adapter state.
-    Wrappers that leave a forward's values as they are (accelerate's device hooks, ``torch.compile``) count as
-    the forward they wrap, so a file saved from a model dispatched by a ``device_map`` or compiled loads into the
-    plain model."""
+    """:func:`_behaviour` in terms another process can compare (a saved prefix cache's fingerprint): each
+    module's class and the ``forward`` set on it, as ``module.qualname`` with a digest of the code of a forward
+    not defined in its class's body (a lambda, a closure, a partial: their code, constants, closure values and
+    arguments); its float settings by ``repr``, and for torch's own modules (activations, say) its int and str
+    settings too (``nn.Softplus(beta=8)``, ``nn.GELU(approximate="tanh")``); the hooks :func:`_hook_ids` keeps,
+    by name and code; each peft tuner layer's adapter state. Wrappers that leave a forward's values as they are
+    (accelerate's device-placement hooks, ``torch.compile``) count as the forward they wrap, so a file saved from
+    a model dispatched by a ``device_map`` or compiled loads into the plain model."""
     from torch.nn.modules import module as nn_module
 
     state: list = [_hook_names(nn_module._global_forward_hooks), _hook_names(nn_module._global_forward_pre_hooks)]
     for i, m in enumerate(model.modules()):
         cls, cls_forward, own, settings = _code_and_settings(m)
-        state.append([i, _portable_name(cls), _portable_name(cls_forward), _portable_name(_unwrapped(m, own)),
-                      [[k, repr(v)] for k, v in settings]])
+        if cls.__module__.startswith("torch.nn."):  # (their ints and strs are settings, never counters)
+            settings = tuple((k, v) for k, v in list(m.__dict__.items())
+                             if type(v) in (float, int, str) and not k.startswith("_") and k != "training")
+        own, device_hooks = _unwrapped(m, own)
+        state.append([i, _portable_name(cls), _forward_name(cls, cls_forward), _forward_name(cls, own),
+                      [[k, repr(v)] for k, v in settings], device_hooks])
         hooks = (_hook_names(m._forward_hooks), _hook_names(m._forward_pre_hooks))
         if any(hooks):
             state.append([i, *hooks])
@@ -1434,26 +1441,86 @@ def portable_behaviour(model: torch.nn.Module) -> list:
     return state
 
 
-# the packages whose forward wrappers compute what the forward they wrap computes
-_TRANSPARENT_WRAPPERS = ("torch.", "accelerate.")
+# accelerate's hooks that move a module's inputs, weights and outputs between devices and change no value
+_DEVICE_HOOKS = frozenset({"ModelHook", "AlignDevicesHook", "CpuOffload", "UserCpuOffloadHook", "LayerwiseCastingHook"})
 
 
-def _unwrapped(m: torch.nn.Module, own):
-    """The forward set on ``m``'s instance under the wrappers of :data:`_TRANSPARENT_WRAPPERS` (accelerate keeps
-    the forward it wraps in ``_old_forward``; ``torch.compile`` in ``__wrapped__``); None where that is the class's
-    own ``forward``."""
+def _unwrapped(m: torch.nn.Module, own) -> tuple:
+    """The forward set on ``m``'s instance under ``torch.compile`` (which keeps it in ``__wrapped__``) and
+    accelerate's device hooks (``_old_forward``), None where that is the class's own ``forward``; and the names of
+    accelerate hooks on ``m`` other than device placement (a ``ModelHook`` of the caller's that edits outputs)."""
+    other_hooks: list[str] = []
     for _ in range(8):
         if isinstance(own, types.MethodType) and own.__self__ is m and own.__func__ is getattr(type(m), "forward", None):
-            return None  # (checked before unwrapping: the class's forward may be under torch.no_grad() itself)
+            return None, other_hooks  # (checked before unwrapping: the class's forward may be under no_grad itself)
         fn = own.func if isinstance(own, functools.partial) else own
         defined_in = getattr(fn, "__globals__", {}).get("__name__", "")
-        if own is None or not defined_in.startswith(_TRANSPARENT_WRAPPERS):
+        if isinstance(own, functools.partial) and defined_in == "accelerate.hooks":
+            hook = m.__dict__.get("_hf_hook")
+            for h in getattr(hook, "hooks", None) or (hook,):  # (a SequentialHook holds several)
+                if type(h).__name__ not in _DEVICE_HOOKS or not type(h).__module__.startswith("accelerate."):
+                    other_hooks.append(f"{_portable_name(h)}:{_settings_text(h)}")
+            inner = m.__dict__.get("_old_forward")
+        elif defined_in == "torch._dynamo.eval_frame":
+            inner = getattr(own, "__wrapped__", None)
+        else:
             break
-        inner = m.__dict__.get("_old_forward") if isinstance(own, functools.partial) else getattr(own, "__wrapped__", None)
         if inner is None:
             break
         own = inner
-    return own
+    return own, other_hooks
+
+
+def _settings_text(obj) -> str:
+    """The plain values an object holds (numbers, strings, and tuples of them), as text."""
+    values = getattr(obj, "__dict__", {})
+    return repr(sorted((k, v) for k, v in values.items() if _plain(v)))
+
+
+def _plain(v) -> bool:
+    return v is None or type(v) in (bool, int, float, str) or (type(v) is tuple and all(_plain(x) for x in v))
+
+
+def _code_digest(fn) -> str:
+    """A digest of what a function computes from its arguments: its bytecode, constants (nested functions' code
+    too) and names, the plain values of its closure (by type where not plain), and a partial's arguments."""
+    h = hashlib.blake2b(digest_size=8)
+    while isinstance(fn, functools.partial):
+        h.update(repr([a if _plain(a) else type(a).__qualname__ for a in fn.args]).encode())
+        h.update(repr(sorted((k, v if _plain(v) else type(v).__qualname__) for k, v in fn.keywords.items())).encode())
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+
+    def add_code(code) -> None:
+        h.update(code.co_code)
+        h.update(repr(code.co_names).encode())
+        for c in code.co_consts:
+            add_code(c) if isinstance(c, types.CodeType) else h.update(repr(c).encode())
+
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    add_code(code)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+        h.update((repr(value) if _plain(value) else type(value).__qualname__).encode())
+    return h.hexdigest()
+
+
+def _forward_name(cls: type, fn) -> str:
+    """:func:`_portable_name` of a module's forward, with :func:`_code_digest` where it is not a function defined
+    in the body of a class of ``cls``'s MRO (transformers' and torch's own keep their names alone: a file loads
+    under another release of them)."""
+    name = _portable_name(fn)
+    inner = getattr(fn, "__func__", fn)
+    if fn is None or (isinstance(inner, types.FunctionType) and any(
+            vars(c).get(inner.__name__) is inner and c.__module__ == inner.__module__
+            and inner.__qualname__ == f"{c.__qualname__}.{inner.__name__}" for c in cls.__mro__)):
+        return name
+    return f"{name}#{_code_digest(fn)}"
 
 
 def _portable_name(obj) -> str:
@@ -1470,9 +1537,11 @@ def _portable_name(obj) -> str:
 
 
 def _hook_names(hooks: dict) -> list[str]:
-    """The names of the hooks :func:`_hook_ids` keeps, in order."""
+    """The names and code digests of the hooks :func:`_hook_ids` keeps, in order (a hook object by its class and
+    plain settings)."""
     kept = set(_hook_ids(hooks))
-    return [_portable_name(fn) for k, fn in list(hooks.items()) if k in kept]
+    return [f"{_portable_name(fn)}#{_code_digest(fn) or _settings_text(fn)}" for k, fn in list(hooks.items())
+            if k in kept]
 
 
 # optimizer steps per parameter: a fused optimizer (AdamW(fused=True), transformers' Trainer default

@@ -854,7 +854,84 @@ _OTHER_BEHAVIOUR = {
         "scaling", 0.5),
     "a hook of yours": lambda model: model.base_model.model.model.layers[0].register_forward_hook(
         _steer_by_one_tenth),
+    "an accelerate hook of yours": lambda model: _add_accelerate_hook(model.base_model.model.model.layers[0].mlp),
 }
+
+
+def _add_accelerate_hook(module, factor=3.0):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class ScaleOutput(ModelHook):  # accelerate's public way to edit a module's outputs
+        def __init__(self, factor):
+            self.factor = factor
+
+        def post_forward(self, module, output):
+            return output * self.factor
+
+    add_hook_to_module(module, ScaleOutput(factor))
+
+
+def _scaled_silu(factor):
+    def forward(x):
+        return torch.nn.functional.silu(x) * factor
+    return forward
+
+
+def _scaled_silu_of(factor, x):
+    return torch.nn.functional.silu(x) * factor
+
+
+def _set_act(model, make):
+    for layer in model.model.layers:
+        layer.mlp.act_fn = make()
+
+
+def _set_act_forward(model, make):
+    for layer in model.model.layers:
+        layer.mlp.act_fn.forward = make()
+
+
+def _under_autocast(model):
+    for layer in model.model.layers:
+        layer.mlp.forward = torch.autocast("cpu", dtype=torch.bfloat16)(layer.mlp.forward)
+
+
+# pairs of setups that compute differently and must digest differently across processes
+_DIGEST_PAIRS = {
+    "an int setting of torch's (Softplus beta)": (lambda m: _set_act(m, lambda: torch.nn.Softplus(beta=8)),
+                                                  lambda m: _set_act(m, lambda: torch.nn.Softplus(beta=1))),
+    "a str setting of torch's (GELU approximate)": (lambda m: _set_act(m, lambda: torch.nn.GELU("tanh")),
+                                                    lambda m: _set_act(m, torch.nn.GELU)),
+    "closures of other values": (lambda m: _set_act_forward(m, lambda: _scaled_silu(3.0)),
+                                 lambda m: _set_act_forward(m, lambda: _scaled_silu(0.5))),
+    "partials of other arguments": (
+        lambda m: _set_act_forward(m, lambda: __import__("functools").partial(_scaled_silu_of, 3.0)),
+        lambda m: _set_act_forward(m, lambda: __import__("functools").partial(_scaled_silu_of, 0.5))),
+    "lambdas of other code": (lambda m: _set_act_forward(m, lambda: lambda x: x * 3.0),
+                              lambda m: _set_act_forward(m, lambda: lambda x: x * 0.5)),
+    "an accelerate hook of yours": (lambda m: _add_accelerate_hook(m.model.layers[0].mlp, 3.0), lambda m: None),
+    "accelerate hooks of other settings": (lambda m: _add_accelerate_hook(m.model.layers[0].mlp, 3.0),
+                                           lambda m: _add_accelerate_hook(m.model.layers[0].mlp, 0.5)),
+    "an autocast wrapper": (_under_autocast, lambda m: None),
+}
+
+
+@pytest.mark.parametrize("pair", list(_DIGEST_PAIRS))
+def test_setups_that_compute_differently_digest_differently(pair):
+    # the file's digest had named forwards by module.qualname alone (every closure of a factory, every partial and
+    # lambda alike), left out int and str settings (nn.Softplus(beta=8)), and seen through every accelerate hook and
+    # every torch wrapper (a ModelHook editing outputs, torch.autocast): such files loaded and served wrong tokens
+    from astrai_hf.persist import behaviour_fingerprint
+
+    digests = []
+    for setup in _DIGEST_PAIRS[pair]:
+        model = tiny_model("llama")
+        setup(model)
+        digests.append(behaviour_fingerprint(model))
+        again = tiny_model("llama")
+        setup(again)
+        assert behaviour_fingerprint(again) == digests[-1]  # a model set up alike digests alike
+    assert digests[0] != digests[1]
 
 
 def _steer_by_one_tenth(module, args, output):
@@ -895,7 +972,7 @@ def test_a_file_saved_under_one_adapter_or_module_setup_is_refused_by_another(tm
 
 
 def test_the_behaviour_digest_sees_through_compile_and_device_hooks():
-    from accelerate.hooks import ModelHook, add_hook_to_module
+    from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module
 
     from astrai_hf.persist import behaviour_fingerprint
 
@@ -903,6 +980,7 @@ def test_the_behaviour_digest_sees_through_compile_and_device_hooks():
     before = behaviour_fingerprint(model)
     model.forward = torch.compile(model.forward)  # (lazy: nothing is compiled until a call)
     add_hook_to_module(model.model.layers[0], ModelHook())
+    add_hook_to_module(model.model.layers[1], AlignDevicesHook(io_same_device=True))
     assert behaviour_fingerprint(model) == before
     model.model.layers[1].forward = _steer_by_one_tenth  # a forward of the caller's own is not seen through
     assert behaviour_fingerprint(model) != before
