@@ -1403,12 +1403,21 @@ def _behaviour(model: torch.nn.Module) -> tuple:
             hooks = (_hook_ids(m._forward_hooks), _hook_ids(m._forward_pre_hooks))
             if any(hooks):
                 state.append((i, *hooks))
-        cls = type(m)
-        if isinstance(getattr(cls, "active_adapters", None), property) and isinstance(
-                getattr(cls, "disable_adapters", None), property):  # a peft BaseTunerLayer
-            state.append((i, bool(m.disable_adapters), tuple(m.active_adapters), tuple(getattr(m, "merged_adapters", ())),
-                          repr(getattr(m, "scaling", None))))
+        adapters = _adapter_state(m)
+        if adapters is not None:
+            state.append((i, *adapters))
     return tuple(state)
+
+
+def _adapter_state(m: torch.nn.Module) -> tuple | None:
+    """A peft tuner layer's adapter state (adapters disabled, those active, those merged, the scaling), None for
+    other modules."""
+    cls = type(m)
+    if not (isinstance(getattr(cls, "active_adapters", None), property)
+            and isinstance(getattr(cls, "disable_adapters", None), property)):  # not a peft BaseTunerLayer
+        return None
+    return (bool(m.disable_adapters), tuple(m.active_adapters), tuple(getattr(m, "merged_adapters", ())),
+            repr(getattr(m, "scaling", None)))
 
 
 def portable_behaviour(model: torch.nn.Module) -> list:
@@ -1427,17 +1436,16 @@ def portable_behaviour(model: torch.nn.Module) -> list:
         cls, cls_forward, own, settings = _code_and_settings(m)
         if cls.__module__.startswith("torch.nn."):  # (their ints and strs are settings, never counters)
             settings = tuple((k, v) for k, v in list(m.__dict__.items())
-                             if type(v) in (float, int, str) and not k.startswith("_") and k != "training")
+                             if type(v) in (float, int, str) and not k.startswith("_"))
         own, device_hooks = _unwrapped(m, own)
         state.append([i, _portable_name(cls), _forward_name(cls, cls_forward), _forward_name(cls, own),
                       [[k, repr(v)] for k, v in settings], device_hooks])
         hooks = (_hook_names(m._forward_hooks), _hook_names(m._forward_pre_hooks))
         if any(hooks):
             state.append([i, *hooks])
-        if isinstance(getattr(cls, "active_adapters", None), property) and isinstance(
-                getattr(cls, "disable_adapters", None), property):  # a peft BaseTunerLayer
-            state.append([i, bool(m.disable_adapters), list(m.active_adapters),
-                          list(getattr(m, "merged_adapters", ())), repr(getattr(m, "scaling", None))])
+        adapters = _adapter_state(m)
+        if adapters is not None:
+            state.append((i, *adapters))  # (JSON writes a tuple as a list)
     return state
 
 
